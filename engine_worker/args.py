@@ -1,0 +1,60 @@
+"""The worker's command line: vLLM's own engine flags, plus where to listen, with CPU-friendly defaults."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.platforms import current_platform
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+# On CPU vLLM sizes the KV cache from 92% of the NUMA node's memory and fails when that much is not
+# free; a fixed size starts reliably. Compiling takes ~110 s there and once gave bf16 nonsense, so the
+# CPU default is eager mode. Both stay overridable (--kv-cache-memory-bytes, --no-enforce-eager).
+CPU_DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
+
+
+@dataclass
+class WorkerArgs:
+    engine: AsyncEngineArgs
+    grpc_host: str
+    grpc_port: int
+    uses_default_model: bool
+    log_stats_interval: float
+
+
+def build_parser() -> FlexibleArgumentParser:
+    parser = FlexibleArgumentParser(
+        prog="taco_llm worker",
+        description="An engine worker: vLLM's AsyncLLM behind the gRPC service in protos/engine.proto. "
+        "With no MODEL it serves the bundled SmolLM2-135M-Instruct.",
+    )
+    parser.add_argument("model_tag", nargs="?", default=None,
+                        help="a local Hugging Face model folder or name (default: the bundled model)")
+    parser.add_argument("--grpc-host", default="127.0.0.1", help="address the gRPC service listens on")
+    parser.add_argument("--grpc-port", type=int, default=50051, help="port the gRPC service listens on")
+    parser.add_argument("--log-stats-interval", type=float, default=10.0,
+                        help="seconds between engine statistics log lines (unless --disable-log-stats)")
+    parser = AsyncEngineArgs.add_cli_args(parser)
+    if current_platform.is_cpu():
+        parser.set_defaults(enforce_eager=True, kv_cache_memory_bytes=CPU_DEFAULT_KV_CACHE_BYTES)
+    return parser
+
+
+def parse(argv: Sequence[str]) -> WorkerArgs:
+    parser = build_parser()
+    args = parser.parse_args(list(argv))
+    if args.model_tag is not None:
+        args.model = args.model_tag
+    # vLLM's --model has a default (a hub model we cannot fetch here); only an explicit one counts.
+    explicit_model = args.model_tag is not None or any(
+        a == "--model" or a.startswith("--model=") for a in argv
+    )
+    if not 0 < args.grpc_port < 65536:
+        parser.error(f"--grpc-port {args.grpc_port} is not a TCP port")
+    if args.log_stats_interval <= 0:
+        parser.error(f"--log-stats-interval must be positive, got {args.log_stats_interval}")
+    engine = AsyncEngineArgs.from_cli_args(args)
+    return WorkerArgs(engine, args.grpc_host, args.grpc_port, not explicit_model, args.log_stats_interval)
+

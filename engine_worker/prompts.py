@@ -1,0 +1,100 @@
+"""Request inputs (text, token ids, chat messages) to the engine input vLLM's renderer produces."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from vllm.inputs import tokens_input
+from vllm.renderers import BaseRenderer, ChatParams
+from vllm.renderers.inputs.preprocess import parse_model_prompt
+from vllm.renderers.params import merge_kwargs
+
+from protos import engine_pb2
+
+from .sampling import InvalidField
+
+
+def _message_dict(message: engine_pb2.ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": message.role}
+    if message.HasField("content"):
+        out["content"] = message.content
+    elif message.content_parts:
+        out["content"] = [{"type": p.type, "text": p.text} for p in message.content_parts]
+    else:
+        out["content"] = None
+    if message.name:
+        out["name"] = message.name
+    if message.tool_call_id:
+        out["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "type": c.type or "function",
+             "function": {"name": c.function_name, "arguments": c.function_arguments}}
+            for c in message.tool_calls
+        ]
+    return out
+
+
+def _json_field(text: str, field: str, kind: type) -> Any:
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise InvalidField(field, f"{field} is not valid JSON: {error}") from None
+    if not isinstance(value, kind):
+        raise InvalidField(field, f"{field} must be a JSON {kind.__name__}")
+    return value
+
+
+def _chat_params(chat: engine_pb2.ChatInput) -> ChatParams:
+    for i, message in enumerate(chat.messages):
+        if not message.role:
+            raise InvalidField(f"chat.messages[{i}].role", f"messages[{i}] has no role")
+    add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    if chat.continue_final_message and add_generation_prompt:
+        raise InvalidField("chat.continue_final_message",
+                           "continue_final_message needs add_generation_prompt set to false")
+    user_kwargs = _json_field(chat.chat_template_kwargs_json, "chat.chat_template_kwargs", dict) or {}
+    for reserved in ("chat_template", "tokenize"):
+        if reserved in user_kwargs:
+            raise InvalidField("chat.chat_template_kwargs", f"chat_template_kwargs may not set {reserved!r}")
+    tools = _json_field(chat.tools_json, "chat.tools", list)
+    return ChatParams(
+        chat_template=chat.chat_template if chat.HasField("chat_template") else None,
+        chat_template_kwargs=merge_kwargs(
+            dict(add_generation_prompt=add_generation_prompt,
+                 continue_final_message=chat.continue_final_message, tools=tools, tokenize=False),
+            user_kwargs,
+        ),
+    )
+
+
+async def render_chat(renderer: BaseRenderer, chat: engine_pb2.ChatInput,
+                      add_special_tokens: bool | None) -> dict[str, Any]:
+    if not chat.messages:
+        raise InvalidField("chat.messages", "messages must not be empty")
+    tok_params = renderer.default_chat_tok_params
+    if add_special_tokens is not None:
+        tok_params = tok_params.with_kwargs(add_special_tokens=add_special_tokens)
+    messages = [_message_dict(m) for m in chat.messages]
+    _, (engine_input,) = await renderer.render_chat_async([messages], _chat_params(chat), tok_params)
+    return engine_input  # type: ignore[return-value]
+
+
+async def render_text(renderer: BaseRenderer, model_config: Any, text: str,
+                      add_special_tokens: bool | None) -> dict[str, Any]:
+    tok_params = renderer.default_cmpl_tok_params
+    if add_special_tokens is not None:
+        tok_params = tok_params.with_kwargs(add_special_tokens=add_special_tokens)
+    (engine_input,) = await renderer.render_cmpl_async([parse_model_prompt(model_config, text)], tok_params)
+    return engine_input  # type: ignore[return-value]
+
+
+def token_input(ids: list[int], vocab_size: int) -> dict[str, Any]:
+    for i, token in enumerate(ids):
+        if token >= vocab_size:
+            raise InvalidField("token_ids", f"token_ids[{i}] = {token} is outside the vocabulary "
+                                            f"(size {vocab_size})")
+    return tokens_input(ids)  # type: ignore[return-value]

@@ -1,0 +1,143 @@
+"""The proto's SamplingParams to vLLM's, with every refusal naming its field."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+from protos import engine_pb2
+
+
+class InvalidField(ValueError):
+    """A request field with a value the engine cannot use."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_model_len: int
+    max_logprobs: int
+    vocab_size: int
+
+
+# Ranges as vLLM's SamplingParams and OpenAI define them, checked here so the error names the field.
+_FLOAT_RANGES: dict[str, tuple[float, float, bool]] = {
+    # name: (low, high, low is exclusive)
+    "temperature": (0.0, float("inf"), False),
+    "top_p": (0.0, 1.0, True),
+    "min_p": (0.0, 1.0, False),
+    "presence_penalty": (-2.0, 2.0, False),
+    "frequency_penalty": (-2.0, 2.0, False),
+    "repetition_penalty": (0.0, float("inf"), True),
+}
+
+
+def _check_float(name: str, value: float) -> None:
+    low, high, exclusive = _FLOAT_RANGES[name]
+    if value != value or value > high or value < low or (exclusive and value == low):
+        bracket = "(" if exclusive else "["
+        raise InvalidField(name, f"{name} must be in {bracket}{low}, {high}], got {value}")
+
+
+def _structured(so: engine_pb2.StructuredOutput) -> StructuredOutputsParams | None:
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_schema":
+        try:
+            schema = json.loads(so.json_schema)
+        except ValueError as error:
+            raise InvalidField("structured_output.json_schema", f"the JSON schema is not valid JSON: {error}") from None
+        if not isinstance(schema, dict):
+            raise InvalidField("structured_output.json_schema", "the JSON schema must be a JSON object")
+        return StructuredOutputsParams(json=schema)
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "regex":
+        return StructuredOutputsParams(regex=so.regex)
+    if kind == "choice":
+        if not so.choice.choices:
+            raise InvalidField("structured_output.choice", "choice needs at least one option")
+        return StructuredOutputsParams(choice=list(so.choice.choices))
+    return StructuredOutputsParams(grammar=so.grammar)
+
+
+def to_vllm(
+    params: engine_pb2.SamplingParams,
+    limits: Limits,
+    prompt_len: int,
+    defaults: dict[str, Any],
+) -> SamplingParams:
+    """Builds vLLM's SamplingParams. Fields left unset take the model's generation defaults."""
+    kwargs: dict[str, Any] = dict(defaults)
+    for name in _FLOAT_RANGES:
+        if params.HasField(name):
+            value = getattr(params, name)
+            _check_float(name, value)
+            kwargs[name] = value
+    if params.HasField("top_k"):
+        if params.top_k < -1:
+            raise InvalidField("top_k", f"top_k must be -1 or 0 (off) or at least 1, got {params.top_k}")
+        kwargs["top_k"] = params.top_k
+    if params.HasField("n"):
+        if params.n < 1:
+            raise InvalidField("n", f"n must be at least 1, got {params.n}")
+        kwargs["n"] = params.n
+    room = limits.max_model_len - prompt_len
+    if params.HasField("max_tokens"):
+        if params.max_tokens < 1:
+            raise InvalidField("max_tokens", f"max_tokens must be at least 1, got {params.max_tokens}")
+        if params.max_tokens > room:
+            raise InvalidField(
+                "max_tokens",
+                f"max_tokens is {params.max_tokens}, but the prompt has {prompt_len} tokens and the model's "
+                f"context is {limits.max_model_len}: at most {room} tokens can be generated",
+            )
+        kwargs["max_tokens"] = params.max_tokens
+    else:
+        kwargs["max_tokens"] = room
+    if params.HasField("min_tokens"):
+        if params.min_tokens < 0 or params.min_tokens > kwargs["max_tokens"]:
+            raise InvalidField("min_tokens", f"min_tokens must be in [0, max_tokens], got {params.min_tokens}")
+        kwargs["min_tokens"] = params.min_tokens
+    for name in ("logprobs", "prompt_logprobs"):
+        if params.HasField(name):
+            value = getattr(params, name)
+            if value < 0 or value > limits.max_logprobs:
+                raise InvalidField(
+                    name, f"{name} must be in [0, {limits.max_logprobs}] (--max-logprobs), got {value}"
+                )
+            kwargs[name] = value
+    if params.HasField("seed"):
+        kwargs["seed"] = params.seed
+    for name in ("skip_special_tokens", "spaces_between_special_tokens"):
+        if params.HasField(name):
+            kwargs[name] = getattr(params, name)
+    if any(not s for s in params.stop):
+        raise InvalidField("stop", "stop strings must not be empty")
+    for token in list(params.stop_token_ids) + list(params.logit_bias):
+        if token >= limits.vocab_size:
+            field = "stop_token_ids" if token in params.stop_token_ids else "logit_bias"
+            raise InvalidField(field, f"token id {token} is outside the vocabulary (size {limits.vocab_size})")
+    for token, bias in params.logit_bias.items():
+        if not -100.0 <= bias <= 100.0:
+            raise InvalidField("logit_bias", f"logit_bias for token {token} must be in [-100, 100], got {bias}")
+    kwargs.update(
+        stop=list(params.stop) or None,
+        stop_token_ids=list(params.stop_token_ids) or None,
+        include_stop_str_in_output=params.include_stop_str_in_output,
+        ignore_eos=params.ignore_eos,
+        logit_bias=dict(params.logit_bias) or None,
+        structured_outputs=_structured(params.structured_output),
+        output_kind=RequestOutputKind.DELTA,
+    )
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as error:
+        raise InvalidField("sampling", str(error)) from None

@@ -1,0 +1,80 @@
+"""The worker's grpc.aio server: the Engine service, gRPC health, and server reflection."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos import engine_pb2, engine_pb2_grpc
+
+from .args import WorkerArgs
+from .engine import resolve_default_model, start_engine
+from .service import EngineService
+
+logger = logging.getLogger(__name__)
+
+ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
+GRPC_MESSAGE_LIMIT = 64 * 1024 * 1024
+# In-flight streams get this long to finish on shutdown; then they are cancelled, which aborts them.
+SHUTDOWN_GRACE_SECONDS = 5.0
+
+
+async def _log_stats(engine: object, interval: float) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        await engine.do_log_stats()  # type: ignore[attr-defined]
+
+
+async def serve(args: WorkerArgs, stop: asyncio.Event) -> int:
+    if args.uses_default_model:
+        resolve_default_model(args.engine)
+    engine = start_engine(args.engine)
+    served = list(args.engine.served_model_name or [args.engine.model])
+    engine_died = asyncio.Event()
+    service = EngineService(engine, served, on_engine_dead=engine_died.set)
+
+    server = grpc.aio.server(options=[
+        ("grpc.max_send_message_length", GRPC_MESSAGE_LIMIT),
+        ("grpc.max_receive_message_length", GRPC_MESSAGE_LIMIT),
+        ("grpc.so_reuseport", 0),
+    ])
+    engine_pb2_grpc.add_EngineServicer_to_server(service, server)
+    health_service = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
+    reflection.enable_server_reflection(
+        (ENGINE_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    address = f"{args.grpc_host}:{args.grpc_port}"
+    try:
+        server.add_insecure_port(address)
+    except RuntimeError as error:
+        engine.shutdown()
+        logger.error("cannot listen on %s (--grpc-host/--grpc-port): %s", address, error)
+        return 1
+    await server.start()
+    for name in ("", ENGINE_SERVICE):
+        await health_service.set(name, health_pb2.HealthCheckResponse.SERVING)
+    print(f"taco_llm worker: serving {', '.join(served)} over gRPC at {address}", flush=True)
+
+    stats_task = None
+    if not args.engine.disable_log_stats:
+        stats_task = asyncio.create_task(_log_stats(engine, args.log_stats_interval))
+    stop_wait = asyncio.create_task(stop.wait())
+    dead_wait = asyncio.create_task(engine_died.wait())
+    await asyncio.wait({stop_wait, dead_wait}, return_when=asyncio.FIRST_COMPLETED)
+    code = 1 if engine_died.is_set() else 0
+    logger.info("shutting down%s", " (the engine died)" if code else "")
+    for task in (stop_wait, dead_wait, stats_task):
+        if task is not None:
+            task.cancel()
+    await health_service.enter_graceful_shutdown()
+    await server.stop(SHUTDOWN_GRACE_SECONDS)
+    with contextlib.suppress(Exception):
+        engine.shutdown()
+    return code

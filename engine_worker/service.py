@@ -1,0 +1,202 @@
+"""The Engine gRPC service: each call validated, rendered by vLLM's renderer and run on AsyncLLM."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any, NoReturn
+
+import grpc
+import vllm
+from vllm.exceptions import VLLMClientError, VLLMValidationError
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import EngineDeadError
+
+from protos import engine_pb2, engine_pb2_grpc
+
+from . import prompts
+from .engine import LoadTracker
+from .outputs import ResponseBuilder
+from .sampling import InvalidField, Limits, to_vllm
+
+logger = logging.getLogger(__name__)
+
+ERROR_PARAM_KEY = "taco-error-param"
+WORKER_VERSION = "0.1.0"
+
+
+class TooLong(Exception):
+    """The prompt does not fit in the model's context."""
+
+
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str,
+                 field: str | None = None) -> NoReturn:
+    metadata = ((ERROR_PARAM_KEY, field),) if field else ()
+    await context.abort(code, message, trailing_metadata=metadata)
+    raise AssertionError("unreachable")  # context.abort raises
+
+
+def _is_context_overflow(error: VLLMValidationError) -> bool:
+    text = str(error)
+    return "maximum context length" in text or "longer than the maximum model length" in text
+
+
+class EngineService(engine_pb2_grpc.EngineServicer):
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], on_engine_dead: Callable[[], None]):
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.on_engine_dead = on_engine_dead
+        self.model_config = engine.model_config
+        self.renderer = engine.renderer
+        self.tokenizer = engine.get_tokenizer()
+        self.limits = Limits(
+            max_model_len=self.model_config.max_model_len,
+            max_logprobs=self.model_config.max_logprobs,
+            vocab_size=self.model_config.get_vocab_size(),
+        )
+        # The model's generation_config.json defaults (temperature, top_p, ...), as vLLM's server applies them.
+        self.sampling_defaults: dict[str, Any] = self.model_config.get_diff_sampling_param()
+        self.structured_backend = engine.vllm_config.structured_outputs_config.backend
+        self.running: set[str] = set()
+        self.created = int(time.time())
+
+    async def _check_model(self, model: str, context: grpc.aio.ServicerContext) -> None:
+        if model and model not in self.served_model_names:
+            await _abort(context, grpc.StatusCode.NOT_FOUND,
+                         f"The model `{model}` does not exist; this worker serves "
+                         f"{', '.join(self.served_model_names)}", "model")
+
+    async def _render(self, request: engine_pb2.GenerateRequest | engine_pb2.TokenizeRequest) -> dict[str, Any]:
+        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else None
+        kind = request.WhichOneof("input")
+        if kind is None:
+            raise InvalidField("input", "one of text, token_ids or chat is required")
+        try:
+            if kind == "chat":
+                return await prompts.render_chat(self.renderer, request.chat, add_special)
+            if kind == "text":
+                return await prompts.render_text(self.renderer, self.model_config, request.text, add_special)
+            assert isinstance(request, engine_pb2.GenerateRequest)
+            return prompts.token_input(list(request.token_ids.ids), self.limits.vocab_size)
+        except VLLMValidationError as error:
+            if _is_context_overflow(error):
+                raise TooLong(str(error)) from None
+            raise InvalidField(kind, str(error)) from None
+
+    def _check_length(self, prompt_len: int, kind: str) -> None:
+        if prompt_len == 0:
+            raise InvalidField(kind, "the prompt is empty")
+        if prompt_len >= self.limits.max_model_len:
+            raise TooLong(
+                f"This model's maximum context length is {self.limits.max_model_len} tokens, and the prompt has "
+                f"{prompt_len}: no room is left to generate"
+            )
+
+    async def Generate(self, request: engine_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        await self._check_model(request.model, context)
+        request_id = request.request_id or f"taco-{uuid.uuid4().hex}"
+        kind = request.WhichOneof("input") or "input"
+        so = request.sampling.structured_output
+        try:
+            if so.backend and so.backend != self.structured_backend:
+                raise InvalidField(
+                    "structured_output.backend",
+                    f"this worker's structured-output backend is {self.structured_backend!r}; vLLM's V1 engine "
+                    f"cannot switch it per request (asked for {so.backend!r})",
+                )
+            engine_input = await self._render(request)
+            prompt_len = len(engine_input["prompt_token_ids"])
+            self._check_length(prompt_len, kind)
+            params = to_vllm(request.sampling, self.limits, prompt_len, self.sampling_defaults)
+        except InvalidField as error:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error), error.field)
+        except TooLong as error:
+            await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(error), kind)
+
+        if request_id in self.running:
+            await _abort(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already running",
+                         "request_id")
+        builder = ResponseBuilder(request_id, params.logprobs or 0)
+        self.running.add(request_id)
+        try:
+            # Cancelling this call (client gone, deadline passed) cancels the generator, and vLLM's
+            # generate() aborts the request in the engine on the way out.
+            async for output in self.engine.generate(engine_input, params, request_id, priority=request.priority):
+                yield builder.build(output)
+        except VLLMValidationError as error:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error), error.parameter or "sampling")
+        except VLLMClientError as error:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except EngineDeadError:
+            self.on_engine_dead()
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, "the engine has died; the worker is stopping")
+        finally:
+            self.running.discard(request_id)
+
+    async def Abort(self, request: engine_pb2.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> engine_pb2.AbortResponse:
+        if not request.request_id:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "request_id is required", "request_id")
+        known = request.request_id in self.running
+        await self.engine.abort(request.request_id)
+        return engine_pb2.AbortResponse(aborted=known)
+
+    async def GetModelInfo(self, request: engine_pb2.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> engine_pb2.ModelInfo:
+        eos = self.tokenizer.eos_token_id
+        eos_ids = sorted({eos} if eos is not None else set())
+        info = engine_pb2.ModelInfo(
+            served_model_names=self.served_model_names,
+            model_path=self.model_config.model,
+            tokenizer=self.model_config.tokenizer,
+            max_model_len=self.limits.max_model_len,
+            vocab_size=self.limits.vocab_size,
+            eos_token_ids=eos_ids,
+            dtype=str(self.model_config.dtype).removeprefix("torch."),
+            has_chat_template=bool(getattr(self.tokenizer, "chat_template", None)),
+            max_logprobs=self.limits.max_logprobs,
+            engine_version=vllm.__version__,
+            worker_version=WORKER_VERSION,
+            created=self.created,
+        )
+        if self.tokenizer.bos_token_id is not None:
+            info.bos_token_id = self.tokenizer.bos_token_id
+        return info
+
+    async def GetLoad(self, request: engine_pb2.GetLoadRequest,
+                      context: grpc.aio.ServicerContext) -> engine_pb2.Load:
+        load = LoadTracker.latest
+        return engine_pb2.Load(
+            num_running_requests=load.num_running_requests,
+            num_waiting_requests=load.num_waiting_requests,
+            kv_cache_usage=load.kv_cache_usage,
+            num_active_streams=len(self.running),
+        )
+
+    async def Tokenize(self, request: engine_pb2.TokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> engine_pb2.TokenizeResponse:
+        await self._check_model(request.model, context)
+        try:
+            engine_input = await self._render(request)
+        except InvalidField as error:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error), error.field)
+        except TooLong as error:
+            await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(error), request.WhichOneof("input"))
+        ids = list(engine_input["prompt_token_ids"])
+        reply = engine_pb2.TokenizeResponse(token_ids=ids, max_model_len=self.limits.max_model_len)
+        if request.return_token_strs:
+            reply.token_strs.extend(self.tokenizer.convert_ids_to_tokens(ids))
+        return reply
+
+    async def Detokenize(self, request: engine_pb2.DetokenizeRequest,
+                         context: grpc.aio.ServicerContext) -> engine_pb2.DetokenizeResponse:
+        await self._check_model(request.model, context)
+        for i, token in enumerate(request.token_ids):
+            if token >= self.limits.vocab_size:
+                await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                             f"token_ids[{i}] = {token} is outside the vocabulary (size {self.limits.vocab_size})",
+                             "token_ids")
+        return engine_pb2.DetokenizeResponse(text=self.tokenizer.decode(list(request.token_ids)))

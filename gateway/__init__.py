@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP gateway. It imports neither torch nor vLLM."""

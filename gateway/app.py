@@ -1,0 +1,162 @@
+"""The gateway's FastAPI application: routes, error handlers, and the engine pool's life."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from protos import engine_pb2
+
+from . import to_engine
+from .engine_pool import EnginePool
+from .errors import APIError, bad_request, from_grpc
+from .metrics import observe_request
+from .openai_routes import engine_metadata, router
+from .protocol import DetokenizeRequest, TokenizeRequest
+
+logger = logging.getLogger(__name__)
+
+
+def package_version() -> str:
+    try:
+        return version("taco-llm")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+@dataclass
+class GatewaySettings:
+    engines: list[str]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    uvicorn_log_level: str = "info"
+    response_role: str = "assistant"
+    return_tokens_as_token_ids: bool = False
+    # Sent to the workers as gRPC metadata when they require a key.
+    engine_api_key: str | None = None
+    health_interval: float = 1.0
+    root_path: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _validation_param(error: RequestValidationError) -> str | None:
+    for item in error.errors():
+        loc = [str(p) for p in item.get("loc", ()) if p != "body"]
+        if loc:
+            return ".".join(loc)
+    return None
+
+
+def _validation_message(error: RequestValidationError) -> str:
+    parts = []
+    for item in error.errors():
+        loc = ".".join(str(p) for p in item.get("loc", ()) if p != "body") or "body"
+        if item.get("type") == "json_invalid":
+            ctx = item.get("ctx") or {}
+            parts.append(f"the request body is not valid JSON: {ctx.get('error', item.get('msg'))}")
+        else:
+            parts.append(f"{loc}: {item.get('msg')}")
+    return "; ".join(parts) or "invalid request"
+
+
+def create_app(settings: GatewaySettings, pool: EnginePool | None = None) -> FastAPI:
+    pool = pool or EnginePool(settings.engines, settings.health_interval)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await pool.start()
+        try:
+            yield
+        finally:
+            await pool.close()
+
+    app = FastAPI(title="taco-llm", version=package_version(), lifespan=lifespan, root_path=settings.root_path)
+    app.state.settings = settings
+    app.state.pool = pool
+    app.include_router(router)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, error: APIError) -> JSONResponse:
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+        # vLLM's server answers 400, not FastAPI's 422, for a body it cannot use.
+        return bad_request(_validation_message(error), _validation_param(error)).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, error: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return APIError(500, f"internal error: {type(error).__name__}").response()
+
+    @app.middleware("http")
+    async def count(request: Request, call_next: Any) -> Response:
+        start = time.perf_counter()
+        response: Response = await call_next(request)
+        observe_request(request.url.path, response.status_code, time.perf_counter() - start)
+        return response
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not pool.ready_clients():
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version_route() -> dict[str, Any]:
+        engines = sorted({c.info.engine_version for c in pool.ready_clients() if c.info is not None})
+        return {"version": package_version(), "vllm": engines[0] if len(engines) == 1 else engines}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        data = [
+            {"id": name, "object": "model", "created": info.created, "owned_by": "taco-llm",
+             "root": info.model_path, "parent": None, "max_model_len": info.max_model_len}
+            for name, info in pool.models()
+        ]
+        if not data:
+            raise pool.unavailable()
+        return {"object": "list", "data": data}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+        engine_request = to_engine.tokenize_request(body)
+        client = pool.pick(engine_request.model or None)
+        try:
+            reply = await client.stub.Tokenize(engine_request, metadata=engine_metadata(request))
+        except grpc.aio.AioRpcError as error:
+            raise from_grpc(error, {"text": "prompt", "chat": "messages"}) from None
+        result: dict[str, Any] = {"count": len(reply.token_ids), "max_model_len": reply.max_model_len,
+                                  "tokens": list(reply.token_ids)}
+        if body.return_token_strs:
+            result["token_strs"] = list(reply.token_strs)
+        return result
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+        client = pool.pick(body.model)
+        try:
+            reply = await client.stub.Detokenize(
+                engine_pb2.DetokenizeRequest(model=body.model or "", token_ids=body.tokens),
+                metadata=engine_metadata(request),
+            )
+        except grpc.aio.AioRpcError as error:
+            raise from_grpc(error, {"token_ids": "tokens"}) from None
+        return {"prompt": reply.text}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,177 @@
+"""The engine's Generate stream to OpenAI response objects, whole or as stream chunks."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from protos import engine_pb2
+
+from .engine_pool import EngineClient
+from .errors import APIError, from_grpc
+
+# JSON has no -inf; vLLM's server clamps to the same value.
+_LOGPROB_FLOOR = -9999.0
+
+
+def _logprob(value: float) -> float:
+    return _LOGPROB_FLOOR if math.isnan(value) or value < _LOGPROB_FLOOR else value
+
+
+class EngineStream:
+    """One Generate call, with the worker's load accounted and its errors as APIError.
+
+    `first()` waits for the first message that carries output, so that every error the worker finds
+    before generating (bad field, unknown model, prompt too long) still becomes an HTTP status.
+    """
+
+    def __init__(self, client: EngineClient, request: engine_pb2.GenerateRequest,
+                 param_names: dict[str, str], metadata: Iterable[tuple[str, str]] = ()):
+        self.client = client
+        self.model = request.model
+        self.param_names = param_names
+        self.call = client.stub.Generate(request, metadata=tuple(metadata))
+        self._pending: list[engine_pb2.GenerateResponse] = []
+        self._done = False
+        client.in_flight += 1
+
+    async def _read(self) -> engine_pb2.GenerateResponse | None:
+        try:
+            message = await self.call.read()
+        except grpc.aio.AioRpcError as error:
+            self.close()
+            raise from_grpc(error, self.param_names) from None
+        if message is grpc.aio.EOF:
+            self.close()
+            return None
+        return message  # type: ignore[no-any-return]
+
+    async def first(self) -> None:
+        while True:
+            message = await self._read()
+            if message is None:
+                return
+            self._pending.append(message)
+            if message.choices or message.HasField("usage"):
+                return
+
+    async def messages(self) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        try:
+            while self._pending:
+                yield self._pending.pop(0)
+            while (message := await self._read()) is not None:
+                yield message
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Ends the call; cancelling a running call aborts the request in the engine."""
+        if not self._done:
+            self._done = True
+            self.client.in_flight -= 1
+            self.call.cancel()
+
+
+@dataclass
+class ChoiceState:
+    """What has been generated so far for one choice."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[engine_pb2.TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def add(self, delta: engine_pb2.ChoiceDelta) -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs)
+        if delta.finish_reason:
+            self.finish_reason = delta.finish_reason
+            self.stop_reason = stop_reason(delta)
+
+
+def stop_reason(delta: engine_pb2.ChoiceDelta) -> str | int | None:
+    kind = delta.WhichOneof("stop_reason")
+    if kind == "stop_string":
+        return delta.stop_string
+    if kind == "stop_token_id":
+        return delta.stop_token_id
+    return None
+
+
+def usage_json(usage: engine_pb2.Usage | None) -> dict[str, Any] | None:
+    if usage is None:
+        return None
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
+    }
+
+
+def add_usage(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
+    if a is None or b is None:
+        return a or b
+    total = {k: a[k] + b[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    total["prompt_tokens_details"] = {
+        "cached_tokens": a["prompt_tokens_details"]["cached_tokens"] + b["prompt_tokens_details"]["cached_tokens"]
+    }
+    return total
+
+
+class TokenText:
+    """How a token appears in logprobs: its text, or `token_id:N` with --return-tokens-as-token-ids."""
+
+    def __init__(self, as_token_ids: bool = False):
+        self.as_token_ids = as_token_ids
+
+    def __call__(self, token_id: int, token: str) -> str:
+        return f"token_id:{token_id}" if self.as_token_ids else token
+
+
+def chat_logprobs(items: list[engine_pb2.TokenLogprob], text_of: TokenText) -> dict[str, Any]:
+    def entry(token_id: int, token: str, logprob: float) -> dict[str, Any]:
+        shown = text_of(token_id, token)
+        return {"token": shown, "logprob": _logprob(logprob), "bytes": list(shown.encode("utf-8"))}
+
+    content = []
+    for item in items:
+        top = [entry(t.token_id, t.token, t.logprob) for t in item.top]
+        content.append({**entry(item.token_id, item.token, item.logprob), "top_logprobs": top})
+    return {"content": content}
+
+
+def completion_logprobs(items: list[engine_pb2.TokenLogprob], text_of: TokenText,
+                        start_offset: int) -> dict[str, Any]:
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    offset = start_offset
+    for item in items:
+        shown = text_of(item.token_id, item.token)
+        tokens.append(shown)
+        token_logprobs.append(_logprob(item.logprob))
+        top_logprobs.append({text_of(t.token_id, t.token): _logprob(t.logprob) for t in item.top} or None)
+        offsets.append(offset)
+        offset += len(item.token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}
+
+
+async def collect(stream: EngineStream, n: int) -> tuple[list[ChoiceState], engine_pb2.Usage | None]:
+    """Reads a whole stream into its choices and usage."""
+    choices = [ChoiceState(i) for i in range(n)]
+    usage = None
+    async for message in stream.messages():
+        for delta in message.choices:
+            if delta.index >= n:
+                raise APIError(500, f"the engine sent choice {delta.index} of {n}")
+            choices[delta.index].add(delta)
+        if message.HasField("usage"):
+            usage = message.usage
+    return choices, usage

@@ -1,0 +1,334 @@
+"""/v1/chat/completions and /v1/completions: OpenAI bodies in, engine streams out."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from protos import engine_pb2
+
+from . import to_engine
+from .engine_pool import EnginePool
+from .errors import APIError, bad_request, from_grpc
+from .from_engine import (
+    ChoiceState,
+    EngineStream,
+    TokenText,
+    add_usage,
+    chat_logprobs,
+    collect,
+    completion_logprobs,
+    stop_reason,
+    usage_json,
+)
+from .protocol import ChatCompletionRequest, CompletionRequest
+
+router = APIRouter()
+
+
+def _pool(request: Request) -> EnginePool:
+    return request.app.state.pool  # type: ignore[no-any-return]
+
+
+def _token_text(request: Request) -> TokenText:
+    return TokenText(request.app.state.settings.return_tokens_as_token_ids)
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+_DONE = b"data: [DONE]\n\n"
+
+
+def _sse_error(error: APIError) -> bytes:
+    return _sse(error.body())
+
+
+async def _until_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(request: Request, work: Any) -> Any:
+    """Runs a non-streaming request, cancelling it (and so the engine request) if the client leaves."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        return JSONResponse({"error": {"message": "client disconnected", "type": "request_cancelled",
+                                       "param": None, "code": 499}}, status_code=499)
+    return task.result()
+
+
+def engine_metadata(request: Request) -> tuple[tuple[str, str], ...]:
+    key = request.app.state.settings.engine_api_key
+    return (("authorization", f"Bearer {key}"),) if key else ()
+
+
+async def _open(request: Request, engine_request: engine_pb2.GenerateRequest,
+                param_names: dict[str, str]) -> EngineStream:
+    client = _pool(request).pick(engine_request.model or None)
+    if not engine_request.model:
+        assert client.info is not None
+        engine_request.model = client.info.served_model_names[0]
+    stream = EngineStream(client, engine_request, param_names, engine_metadata(request))
+    try:
+        await stream.first()
+    except BaseException:
+        stream.close()
+        raise
+    return stream
+
+
+def _include_usage(body: ChatCompletionRequest | CompletionRequest) -> tuple[bool, bool]:
+    options = body.stream_options
+    if options is None:
+        return False, False
+    return bool(options.include_usage), bool(options.continuous_usage_stats)
+
+
+def _response_model(request: Request, body_model: str | None, stream: EngineStream) -> str:
+    # Responses carry the name the client asked for, or the worker's first name.
+    if body_model:
+        return body_model
+    assert stream.client.info is not None
+    return stream.client.info.served_model_names[0]
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    if body.echo:
+        raise bad_request("echo is not supported for chat completions", "echo")
+    request_id = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
+    engine_request = to_engine.chat_request(body, request_id)
+    n = engine_request.sampling.n or 1
+    stream = await _open(request, engine_request, to_engine.CHAT_PARAMS)
+    model = _response_model(request, body.model, stream)
+    created = int(time.time())
+    role = request.app.state.settings.response_role
+    text_of = _token_text(request)
+    if body.stream:
+        include_usage, continuous = _include_usage(body)
+        return StreamingResponse(
+            _chat_chunks(stream, request_id, model, created, n, role, text_of, include_usage, continuous),
+            media_type="text/event-stream",
+        )
+
+    async def whole() -> dict[str, Any]:
+        choices, usage = await collect(stream, n)
+        return {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": c.index,
+                    "message": {"role": role, "content": c.text, "tool_calls": []},
+                    "logprobs": chat_logprobs(c.logprobs, text_of) if body.logprobs else None,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                for c in choices
+            ],
+            "usage": usage_json(usage),
+        }
+
+    return await _unless_disconnected(request, whole())
+
+
+async def _chat_chunks(stream: EngineStream, request_id: str, model: str, created: int, n: int, role: str,
+                       text_of: TokenText, include_usage: bool, continuous: bool) -> AsyncIterator[bytes]:
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+        payload: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                                   "model": model, "choices": choices}
+        if include_usage:
+            payload["usage"] = usage
+        return _sse(payload)
+
+    completion_tokens = 0
+    try:
+        for i in range(n):
+            yield chunk([{"index": i, "delta": {"role": role, "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
+        async for message in stream.messages():
+            choices = []
+            for delta in message.choices:
+                completion_tokens += len(delta.token_ids)
+                if not delta.text and not delta.finish_reason and not delta.logprobs:
+                    continue
+                choices.append({
+                    "index": delta.index,
+                    "delta": {"content": delta.text} if delta.text else {},
+                    "logprobs": chat_logprobs(list(delta.logprobs), text_of) if delta.logprobs else None,
+                    "finish_reason": delta.finish_reason or None,
+                    **({"stop_reason": stop_reason(delta)} if delta.finish_reason else {}),
+                })
+            running_usage = None
+            if continuous and message.prompt_token_ids.ids:
+                running_usage = {"prompt_tokens": len(message.prompt_token_ids.ids),
+                                 "completion_tokens": completion_tokens,
+                                 "total_tokens": len(message.prompt_token_ids.ids) + completion_tokens}
+            if choices:
+                yield chunk(choices, running_usage)
+            if message.HasField("usage") and include_usage:
+                yield chunk([], usage_json(message.usage))
+    except APIError as error:
+        yield _sse_error(error)
+    yield _DONE
+
+
+async def _completion_streams(request: Request, body: CompletionRequest, request_id: str
+                              ) -> tuple[list[EngineStream], list[str | list[int]]]:
+    prompts = to_engine.completion_prompts(body.prompt)
+    engine_requests = [
+        to_engine.completion_request(body, p, f"{request_id}-{i}" if len(prompts) > 1 else request_id)
+        for i, p in enumerate(prompts)
+    ]
+    opened = await asyncio.gather(
+        *(_open(request, r, to_engine.COMPLETION_PARAMS) for r in engine_requests), return_exceptions=True
+    )
+    streams = [s for s in opened if isinstance(s, EngineStream)]
+    for s in opened:
+        if isinstance(s, BaseException):
+            for stream in streams:
+                stream.close()
+            raise s
+    return streams, prompts
+
+
+async def _echo_texts(request: Request, stream: EngineStream, prompt: str | list[int]) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    try:
+        reply = await stream.client.stub.Detokenize(
+            engine_pb2.DetokenizeRequest(model=stream.model, token_ids=prompt),
+            metadata=engine_metadata(request),
+        )
+    except grpc.aio.AioRpcError as error:
+        raise from_grpc(error, to_engine.COMPLETION_PARAMS) from None
+    return reply.text  # type: ignore[no-any-return]
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Any:
+    if body.echo and body.logprobs is not None:
+        raise bad_request("echo together with logprobs is not supported", "echo")
+    request_id = f"cmpl-{body.request_id or uuid.uuid4().hex}"
+    streams, prompts = await _completion_streams(request, body, request_id)
+    n = body.n or 1
+    model = _response_model(request, body.model, streams[0])
+    created = int(time.time())
+    text_of = _token_text(request)
+    echoes = [""] * len(prompts)
+    if body.echo:
+        for i, (s, p) in enumerate(zip(streams, prompts, strict=True)):
+            echoes[i] = await _echo_texts(request, s, p)
+    if body.stream:
+        include_usage, _ = _include_usage(body)
+        return StreamingResponse(
+            _completion_chunks(streams, echoes, request_id, model, created, n, text_of, include_usage,
+                               body.logprobs is not None),
+            media_type="text/event-stream",
+        )
+
+    async def whole() -> dict[str, Any]:
+        results = await asyncio.gather(*(collect(s, n) for s in streams))
+        choices: list[dict[str, Any]] = []
+        usage: dict[str, Any] | None = None
+        for prompt_index, (states, u) in enumerate(results):
+            usage = add_usage(usage, usage_json(u))
+            for c in states:
+                text = echoes[prompt_index] + c.text
+                choices.append(_completion_choice(prompt_index * n + c.index, text, c, text_of,
+                                                  body.logprobs is not None, len(echoes[prompt_index])))
+        return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+                "choices": choices, "usage": usage}
+
+    return await _unless_disconnected(request, whole())
+
+
+def _completion_choice(index: int, text: str, c: ChoiceState, text_of: TokenText, logprobs: bool,
+                       offset: int) -> dict[str, Any]:
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": completion_logprobs(c.logprobs, text_of, offset) if logprobs else None,
+        "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,
+    }
+
+
+async def _completion_chunks(streams: list[EngineStream], echoes: list[str], request_id: str, model: str,
+                             created: int, n: int, text_of: TokenText, include_usage: bool,
+                             logprobs: bool) -> AsyncIterator[bytes]:
+    queue: asyncio.Queue[tuple[int, engine_pb2.GenerateResponse | APIError | None]] = asyncio.Queue()
+
+    async def pump(prompt_index: int, stream: EngineStream) -> None:
+        try:
+            async for message in stream.messages():
+                await queue.put((prompt_index, message))
+        except APIError as error:
+            await queue.put((prompt_index, error))
+        finally:
+            await queue.put((prompt_index, None))
+
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+        payload: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created,
+                                   "model": model, "choices": choices}
+        if include_usage:
+            payload["usage"] = usage
+        return _sse(payload)
+
+    pumps = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    offsets = {(p, i): len(echoes[p]) for p in range(len(streams)) for i in range(n)}
+    usage: dict[str, Any] | None = None
+    running = len(streams)
+    try:
+        for p, echo in enumerate(echoes):
+            if echo:
+                yield chunk([{"index": p * n + i, "text": echo, "logprobs": None, "finish_reason": None}
+                             for i in range(n)])
+        while running:
+            prompt_index, item = await queue.get()
+            if item is None:
+                running -= 1
+                continue
+            if isinstance(item, APIError):
+                yield _sse_error(item)
+                continue
+            choices = []
+            for delta in item.choices:
+                key = (prompt_index, delta.index)
+                state = ChoiceState(delta.index)
+                state.add(delta)
+                choices.append(_completion_choice(prompt_index * n + delta.index, delta.text, state, text_of,
+                                                  logprobs, offsets[key]))
+                offsets[key] += len(delta.text)
+            if choices:
+                yield chunk(choices)
+            if item.HasField("usage"):
+                usage = add_usage(usage, usage_json(item.usage))
+        if include_usage:
+            yield chunk([], usage)
+        yield _DONE
+    finally:
+        for task in pumps:
+            task.cancel()
+        for stream in streams:
+            stream.close()

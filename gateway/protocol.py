@@ -1,0 +1,148 @@
+"""The OpenAI request bodies the gateway accepts, with vLLM's extra sampling fields.
+
+Only types are checked here. Ranges (temperature >= 0, max_tokens >= 1, ...) are the worker's to
+check, so that gRPC clients calling the worker directly get the same answers as HTTP clients.
+Unknown fields are accepted and ignored, as OpenAI's and vLLM's servers do.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class JSONSchemaFormat(_Lenient):
+    name: str | None = None
+    description: str | None = None
+    # `schema` shadows a BaseModel attribute, hence the alias.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(_Lenient):
+    """vLLM's `structured_outputs` request field."""
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class FunctionCall(_Lenient):
+    name: str = ""
+    arguments: str = ""
+
+
+class ToolCallParam(_Lenient):
+    id: str = ""
+    type: str = "function"
+    function: FunctionCall
+
+
+class ContentPartParam(_Lenient):
+    type: str
+    text: str | None = None
+
+
+class ChatMessageParam(_Lenient):
+    role: str
+    content: str | list[ContentPartParam] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
+
+
+class SamplingFields(_Lenient):
+    """Fields shared by chat and text completions."""
+
+    model: str | None = None
+    n: int | None = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    user: str | None = None
+    # vLLM's extra sampling parameters.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = False
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = False
+    add_special_tokens: bool | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # The names vLLM used before `structured_outputs`; old clients still send them.
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    response_format: ResponseFormat | None = None
+    priority: int | None = 0
+    cache_salt: str | None = None
+    request_id: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessageParam]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    echo: bool | None = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TokenizeRequest(_Lenient):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageParam] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(_Lenient):
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,244 @@
+"""OpenAI request bodies to the engine's GenerateRequest."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from protos import engine_pb2
+
+from .errors import bad_request
+from .protocol import (
+    ChatCompletionRequest,
+    ChatMessageParam,
+    CompletionRequest,
+    SamplingFields,
+    TokenizeRequest,
+)
+
+# The worker names proto fields; clients sent these. Keyed by the proto field name.
+CHAT_PARAMS = {"max_tokens": "max_completion_tokens", "logprobs": "top_logprobs", "chat": "messages"}
+COMPLETION_PARAMS = {"text": "prompt", "token_ids": "prompt"}
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def _schema_text(value: str | dict[str, Any], param: str) -> str:
+    if isinstance(value, str):
+        try:
+            json.loads(value)
+        except ValueError as error:
+            raise bad_request(f"{param} is not valid JSON: {error}", param) from None
+        return value
+    return json.dumps(value)
+
+
+def _structured_output(body: SamplingFields) -> engine_pb2.StructuredOutput | None:
+    kinds: list[tuple[str, engine_pb2.StructuredOutput]] = []
+    so = body.structured_outputs
+    if so is not None:
+        if so.json_ is not None:
+            kinds.append(("structured_outputs.json", engine_pb2.StructuredOutput(
+                json_schema=_schema_text(so.json_, "structured_outputs.json"))))
+        if so.regex is not None:
+            kinds.append(("structured_outputs.regex", engine_pb2.StructuredOutput(regex=so.regex)))
+        if so.choice is not None:
+            kinds.append(("structured_outputs.choice", engine_pb2.StructuredOutput(
+                choice=engine_pb2.ChoiceList(choices=so.choice))))
+        if so.grammar is not None:
+            kinds.append(("structured_outputs.grammar", engine_pb2.StructuredOutput(grammar=so.grammar)))
+        if so.json_object:
+            kinds.append(("structured_outputs.json_object", engine_pb2.StructuredOutput(json_object=True)))
+    if body.guided_json is not None:
+        kinds.append(("guided_json", engine_pb2.StructuredOutput(
+            json_schema=_schema_text(body.guided_json, "guided_json"))))
+    if body.guided_regex is not None:
+        kinds.append(("guided_regex", engine_pb2.StructuredOutput(regex=body.guided_regex)))
+    if body.guided_choice is not None:
+        kinds.append(("guided_choice", engine_pb2.StructuredOutput(
+            choice=engine_pb2.ChoiceList(choices=body.guided_choice))))
+    if body.guided_grammar is not None:
+        kinds.append(("guided_grammar", engine_pb2.StructuredOutput(grammar=body.guided_grammar)))
+    rf = body.response_format
+    if rf is not None and rf.type == "json_object":
+        kinds.append(("response_format", engine_pb2.StructuredOutput(json_object=True)))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.json_schema is None:
+            raise bad_request("response_format.json_schema.schema is required", "response_format")
+        kinds.append(("response_format", engine_pb2.StructuredOutput(
+            json_schema=json.dumps(rf.json_schema.json_schema))))
+    if not kinds:
+        return None
+    if len(kinds) > 1:
+        names = ", ".join(name for name, _ in kinds)
+        raise bad_request(f"only one kind of structured output may be given, got {names}", kinds[1][0])
+    result = kinds[0][1]
+    if body.guided_decoding_backend:
+        result.backend = body.guided_decoding_backend
+    return result
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+    return out
+
+
+def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> engine_pb2.SamplingParams:
+    params = engine_pb2.SamplingParams(
+        stop=_stop_list(body.stop),
+        stop_token_ids=body.stop_token_ids or [],
+        include_stop_str_in_output=bool(body.include_stop_str_in_output),
+        ignore_eos=bool(body.ignore_eos),
+    )
+    # Unset fields stay unset, so the worker applies the model's generation defaults.
+    for name in ("temperature", "top_p", "top_k", "min_p", "min_tokens", "seed", "n",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty",
+                 "skip_special_tokens", "spaces_between_special_tokens"):
+        value = getattr(body, name)
+        if value is not None:
+            if name == "n" and value < 1:
+                raise bad_request(f"n must be at least 1, got {value}", "n")
+            setattr(params, name, value)
+    if max_tokens is not None:
+        params.max_tokens = max_tokens
+    if logprobs is not None:
+        params.logprobs = logprobs
+    for token, bias in _logit_bias(body.logit_bias).items():
+        params.logit_bias[token] = bias
+    structured = _structured_output(body)
+    if structured is not None:
+        params.structured_output.CopyFrom(structured)
+    return params
+
+
+def chat_messages(messages: list[ChatMessageParam]) -> list[engine_pb2.ChatMessage]:
+    out = []
+    for m in messages:
+        msg = engine_pb2.ChatMessage(role=m.role, name=m.name or "", tool_call_id=m.tool_call_id or "")
+        if isinstance(m.content, str):
+            msg.content = m.content
+        elif m.content is not None:
+            msg.content_parts.extend(
+                engine_pb2.ContentPart(type=p.type, text=p.text or "") for p in m.content
+            )
+        for call in m.tool_calls or []:
+            msg.tool_calls.append(engine_pb2.ToolCall(
+                id=call.id, type=call.type,
+                function_name=call.function.name, function_arguments=call.function.arguments,
+            ))
+        out.append(msg)
+    return out
+
+
+def chat_input(
+    messages: list[ChatMessageParam],
+    *,
+    add_generation_prompt: bool | None,
+    continue_final_message: bool | None,
+    chat_template: str | None,
+    chat_template_kwargs: dict[str, Any] | None,
+    tools: list[dict[str, Any]] | None = None,
+) -> engine_pb2.ChatInput:
+    chat = engine_pb2.ChatInput(
+        messages=chat_messages(messages),
+        continue_final_message=bool(continue_final_message),
+        chat_template_kwargs_json=json.dumps(chat_template_kwargs) if chat_template_kwargs else "",
+        tools_json=json.dumps(tools) if tools else "",
+    )
+    if add_generation_prompt is not None:
+        chat.add_generation_prompt = add_generation_prompt
+    if chat_template is not None:
+        chat.chat_template = chat_template
+    return chat
+
+
+def _common(request: engine_pb2.GenerateRequest, body: SamplingFields, request_id: str) -> None:
+    request.request_id = request_id
+    request.model = body.model or ""
+    request.priority = body.priority or 0
+    request.cache_salt = body.cache_salt or ""
+    if body.add_special_tokens is not None:
+        request.add_special_tokens = body.add_special_tokens
+
+
+def chat_request(body: ChatCompletionRequest, request_id: str) -> engine_pb2.GenerateRequest:
+    if not body.messages:
+        raise bad_request("messages must not be empty", "messages")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    request = engine_pb2.GenerateRequest(
+        chat=chat_input(
+            body.messages,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            chat_template=body.chat_template,
+            chat_template_kwargs=body.chat_template_kwargs,
+            tools=body.tools,
+        ),
+        sampling=sampling_params(body, max_tokens, logprobs),
+    )
+    _common(request, body, request_id)
+    return request
+
+
+def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """OpenAI allows one prompt or a batch, each as text or token ids."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+        return list(prompt)  # type: ignore[arg-type]
+    raise bad_request("prompt must be a string, a list of strings, or token ids", "prompt")
+
+
+def completion_request(
+    body: CompletionRequest, prompt: str | list[int], request_id: str
+) -> engine_pb2.GenerateRequest:
+    if body.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    if body.best_of is not None and body.best_of != (body.n or 1):
+        raise bad_request("best_of is not supported by vLLM's V1 engine; use n", "best_of")
+    request = engine_pb2.GenerateRequest(sampling=sampling_params(body, body.max_tokens, body.logprobs))
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(prompt)
+    _common(request, body, request_id)
+    return request
+
+
+def tokenize_request(body: TokenizeRequest) -> engine_pb2.TokenizeRequest:
+    request = engine_pb2.TokenizeRequest(
+        model=body.model or "", return_token_strs=bool(body.return_token_strs)
+    )
+    if body.add_special_tokens is not None:
+        request.add_special_tokens = body.add_special_tokens
+    if body.messages is not None:
+        if body.prompt is not None:
+            raise bad_request("give either prompt or messages, not both", "messages")
+        request.chat.CopyFrom(chat_input(
+            body.messages,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            chat_template=body.chat_template,
+            chat_template_kwargs=body.chat_template_kwargs,
+        ))
+    elif body.prompt is not None:
+        request.text = body.prompt
+    else:
+        raise bad_request("prompt or messages is required", "prompt")
+    return request

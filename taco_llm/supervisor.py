@@ -1,0 +1,124 @@
+"""`taco_llm serve`: one engine worker and the gateway as child processes, watched and stopped together."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import FrameType
+
+STOP_GRACE_SECONDS = 20.0
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen[bytes]
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: ask Linux for SIGTERM when the supervisor dies, even by SIGKILL."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def _start(name: str, argv: list[str]) -> Child:
+    # Own session: a Ctrl-C reaches only the supervisor, which then stops the children in order.
+    return Child(name, subprocess.Popen(argv, start_new_session=True, preexec_fn=_die_with_parent))
+
+
+def probe_host(host: str) -> str:
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+
+
+def _ready_model(base_url: str) -> str | None:
+    """The first served model once the gateway answers /health with 200, else None."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/health", timeout=2) as reply:
+            if reply.status != 200:
+                return None
+        with urllib.request.urlopen(f"{base_url}/v1/models", timeout=5) as reply:
+            models = json.load(reply)["data"]
+            return str(models[0]["id"]) if models else None
+    except (OSError, urllib.error.URLError, ValueError, KeyError):
+        return None
+
+
+class Supervisor:
+    def __init__(self, children: Sequence[Child]):
+        self.children = list(children)
+        self.stopping = False
+
+    def _on_signal(self, signum: int, _: FrameType | None) -> None:
+        if not self.stopping:
+            print(f"taco_llm: {signal.Signals(signum).name} received, shutting down", flush=True)
+        self.stopping = True
+
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    def exited(self) -> Child | None:
+        for child in self.children:
+            if child.process.poll() is not None:
+                return child
+        return None
+
+    def stop(self) -> None:
+        """Gateway first (no new requests), then the worker; each gets a grace period, then SIGKILL."""
+        for child in reversed(self.children):
+            if child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+                try:
+                    child.process.wait(STOP_GRACE_SECONDS)
+                except subprocess.TimeoutExpired:
+                    print(f"taco_llm: {child.name} did not stop in {STOP_GRACE_SECONDS:.0f}s; killing it",
+                          flush=True)
+                    os.killpg(child.process.pid, signal.SIGKILL)
+                    child.process.wait()
+
+
+def serve(worker_argv: list[str], gateway_argv: list[str], base_url: str, ready_timeout: float) -> int:
+    python = sys.executable
+    worker = _start("engine worker", [python, "-m", "engine_worker", *worker_argv])
+    gateway = _start("gateway", [python, "-m", "gateway", *gateway_argv])
+    supervisor = Supervisor([worker, gateway])
+    supervisor.install_signal_handlers()
+    print(f"taco_llm: starting the engine worker (pid {worker.process.pid}) and the gateway "
+          f"(pid {gateway.process.pid}); the API will be at {base_url}", flush=True)
+    started = time.monotonic()
+    ready = False
+    code = 0
+    try:
+        while not supervisor.stopping:
+            dead = supervisor.exited()
+            if dead is not None:
+                code = dead.process.returncode or 1
+                print(f"taco_llm: the {dead.name} exited with code {dead.process.returncode}; stopping",
+                      flush=True)
+                break
+            if not ready:
+                model = _ready_model(base_url)
+                if model is not None:
+                    ready = True
+                    print(f"taco_llm: ready in {time.monotonic() - started:.1f}s, serving {model!r} at "
+                          f"{base_url}/v1", flush=True)
+                elif time.monotonic() - started > ready_timeout:
+                    print(f"taco_llm: not ready after {ready_timeout:.0f}s (--ready-timeout); stopping",
+                          flush=True)
+                    code = 1
+                    break
+            time.sleep(0.5)
+    finally:
+        supervisor.stop()
+    return code
