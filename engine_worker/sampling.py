@@ -89,19 +89,14 @@ def to_vllm(
         if params.n < 1:
             raise InvalidField("n", f"n must be at least 1, got {params.n}")
         kwargs["n"] = params.n
+    # As vLLM's server does: a max_tokens beyond what the context has room for is clamped, not refused.
     room = limits.max_model_len - prompt_len
     if params.HasField("max_tokens"):
         if params.max_tokens < 1:
             raise InvalidField("max_tokens", f"max_tokens must be at least 1, got {params.max_tokens}")
-        if params.max_tokens > room:
-            raise InvalidField(
-                "max_tokens",
-                f"max_tokens is {params.max_tokens}, but the prompt has {prompt_len} tokens and the model's "
-                f"context is {limits.max_model_len}: at most {room} tokens can be generated",
-            )
-        kwargs["max_tokens"] = params.max_tokens
+        kwargs["max_tokens"] = min(params.max_tokens, room)
     else:
-        kwargs["max_tokens"] = room
+        kwargs["max_tokens"] = min(int(defaults.get("max_tokens") or room), room)
     if params.HasField("min_tokens"):
         if params.min_tokens < 0 or params.min_tokens > kwargs["max_tokens"]:
             raise InvalidField("min_tokens", f"min_tokens must be in [0, max_tokens], got {params.min_tokens}")
@@ -124,7 +119,8 @@ def to_vllm(
     for token in list(params.stop_token_ids) + list(params.logit_bias):
         if token >= limits.vocab_size:
             field = "stop_token_ids" if token in params.stop_token_ids else "logit_bias"
-            raise InvalidField(field, f"token id {token} is outside the vocabulary (size {limits.vocab_size})")
+            raise InvalidField(field, f"{field}: token id {token} is outside the vocabulary "
+                                      f"(size {limits.vocab_size})")
     for token, bias in params.logit_bias.items():
         if not -100.0 <= bias <= 100.0:
             raise InvalidField("logit_bias", f"logit_bias for token {token} must be in [-100, 100], got {bias}")

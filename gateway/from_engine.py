@@ -163,15 +163,23 @@ def completion_logprobs(items: list[engine_pb2.TokenLogprob], text_of: TokenText
             "text_offset": offsets}
 
 
-async def collect(stream: EngineStream, n: int) -> tuple[list[ChoiceState], engine_pb2.Usage | None]:
-    """Reads a whole stream into its choices and usage."""
-    choices = [ChoiceState(i) for i in range(n)]
-    usage = None
+@dataclass
+class Collected:
+    choices: list[ChoiceState]
+    usage: engine_pb2.Usage | None
+    prompt_token_ids: list[int]
+
+
+async def collect(stream: EngineStream, n: int) -> Collected:
+    """Reads a whole stream into its choices, usage and prompt tokens."""
+    result = Collected([ChoiceState(i) for i in range(n)], None, [])
     async for message in stream.messages():
+        if message.prompt_token_ids.ids:
+            result.prompt_token_ids = list(message.prompt_token_ids.ids)
         for delta in message.choices:
             if delta.index >= n:
                 raise APIError(500, f"the engine sent choice {delta.index} of {n}")
-            choices[delta.index].add(delta)
+            result.choices[delta.index].add(delta)
         if message.HasField("usage"):
-            usage = message.usage
-    return choices, usage
+            result.usage = message.usage
+    return result

@@ -125,35 +125,37 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     if body.stream:
         include_usage, continuous = _include_usage(body)
         return StreamingResponse(
-            _chat_chunks(stream, request_id, model, created, n, role, text_of, include_usage, continuous),
+            _chat_chunks(stream, request_id, model, created, n, role, text_of, include_usage, continuous,
+                         bool(body.return_token_ids)),
             media_type="text/event-stream",
         )
 
     async def whole() -> dict[str, Any]:
-        choices, usage = await collect(stream, n)
-        return {
-            "id": request_id,
-            "object": "chat.completion",
-            "created": created,
-            "model": model,
-            "choices": [
-                {
-                    "index": c.index,
-                    "message": {"role": role, "content": c.text, "tool_calls": []},
-                    "logprobs": chat_logprobs(c.logprobs, text_of) if body.logprobs else None,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-                for c in choices
-            ],
-            "usage": usage_json(usage),
-        }
+        result = await collect(stream, n)
+        choices = []
+        for c in result.choices:
+            choice = {
+                "index": c.index,
+                "message": {"role": role, "content": c.text, "tool_calls": []},
+                "logprobs": chat_logprobs(c.logprobs, text_of) if body.logprobs else None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            if body.return_token_ids:
+                choice["token_ids"] = c.token_ids
+            choices.append(choice)
+        response: dict[str, Any] = {"id": request_id, "object": "chat.completion", "created": created,
+                                    "model": model, "choices": choices, "usage": usage_json(result.usage)}
+        if body.return_token_ids:
+            response["prompt_token_ids"] = result.prompt_token_ids
+        return response
 
     return await _unless_disconnected(request, whole())
 
 
 async def _chat_chunks(stream: EngineStream, request_id: str, model: str, created: int, n: int, role: str,
-                       text_of: TokenText, include_usage: bool, continuous: bool) -> AsyncIterator[bytes]:
+                       text_of: TokenText, include_usage: bool, continuous: bool,
+                       token_ids: bool) -> AsyncIterator[bytes]:
     def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
         payload: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                                    "model": model, "choices": choices}
@@ -178,6 +180,7 @@ async def _chat_chunks(stream: EngineStream, request_id: str, model: str, create
                     "logprobs": chat_logprobs(list(delta.logprobs), text_of) if delta.logprobs else None,
                     "finish_reason": delta.finish_reason or None,
                     **({"stop_reason": stop_reason(delta)} if delta.finish_reason else {}),
+                    **({"token_ids": list(delta.token_ids)} if token_ids else {}),
                 })
             running_usage = None
             if continuous and message.prompt_token_ids.ids:
@@ -243,7 +246,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         include_usage, _ = _include_usage(body)
         return StreamingResponse(
             _completion_chunks(streams, echoes, request_id, model, created, n, text_of, include_usage,
-                               body.logprobs is not None),
+                               body.logprobs is not None, bool(body.return_token_ids)),
             media_type="text/event-stream",
         )
 
@@ -251,12 +254,16 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         results = await asyncio.gather(*(collect(s, n) for s in streams))
         choices: list[dict[str, Any]] = []
         usage: dict[str, Any] | None = None
-        for prompt_index, (states, u) in enumerate(results):
-            usage = add_usage(usage, usage_json(u))
-            for c in states:
+        for prompt_index, result in enumerate(results):
+            usage = add_usage(usage, usage_json(result.usage))
+            for c in result.choices:
                 text = echoes[prompt_index] + c.text
-                choices.append(_completion_choice(prompt_index * n + c.index, text, c, text_of,
-                                                  body.logprobs is not None, len(echoes[prompt_index])))
+                choice = _completion_choice(prompt_index * n + c.index, text, c, text_of,
+                                            body.logprobs is not None, len(echoes[prompt_index]))
+                if body.return_token_ids:
+                    choice["token_ids"] = c.token_ids
+                    choice["prompt_token_ids"] = result.prompt_token_ids
+                choices.append(choice)
         return {"id": request_id, "object": "text_completion", "created": created, "model": model,
                 "choices": choices, "usage": usage}
 
@@ -276,7 +283,7 @@ def _completion_choice(index: int, text: str, c: ChoiceState, text_of: TokenText
 
 async def _completion_chunks(streams: list[EngineStream], echoes: list[str], request_id: str, model: str,
                              created: int, n: int, text_of: TokenText, include_usage: bool,
-                             logprobs: bool) -> AsyncIterator[bytes]:
+                             logprobs: bool, token_ids: bool) -> AsyncIterator[bytes]:
     queue: asyncio.Queue[tuple[int, engine_pb2.GenerateResponse | APIError | None]] = asyncio.Queue()
 
     async def pump(prompt_index: int, stream: EngineStream) -> None:
@@ -317,8 +324,11 @@ async def _completion_chunks(streams: list[EngineStream], echoes: list[str], req
                 key = (prompt_index, delta.index)
                 state = ChoiceState(delta.index)
                 state.add(delta)
-                choices.append(_completion_choice(prompt_index * n + delta.index, delta.text, state, text_of,
-                                                  logprobs, offsets[key]))
+                choice = _completion_choice(prompt_index * n + delta.index, delta.text, state, text_of,
+                                            logprobs, offsets[key])
+                if token_ids:
+                    choice["token_ids"] = list(delta.token_ids)
+                choices.append(choice)
                 offsets[key] += len(delta.text)
             if choices:
                 yield chunk(choices)

@@ -105,6 +105,8 @@ class SamplingFields(_Lenient):
     priority: int | None = 0
     cache_salt: str | None = None
     request_id: str | None = None
+    # vLLM's extension: token ids of the prompt and of each choice in the response.
+    return_token_ids: bool | None = False
 
 
 class ChatCompletionRequest(SamplingFields):

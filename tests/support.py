@@ -1,0 +1,95 @@
+"""Starting and stopping the real processes the end-to-end tests drive."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+START_TIMEOUT = 600.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_status(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as reply:
+            return int(reply.status)
+    except urllib.error.HTTPError as error:
+        return int(error.code)
+    except OSError:
+        return None
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def tail(self, lines: int = 60) -> str:
+        text = self.log.read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait()
+                raise AssertionError(f"{self.name} did not stop within {timeout}s of SIGTERM") from None
+        return self.popen.returncode
+
+
+def start(name: str, args: list[str], log_dir: Path) -> Process:
+    log = log_dir / f"{name}.log"
+    handle = log.open("wb")
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "taco_llm.cli", *args], stdout=handle, stderr=subprocess.STDOUT,
+        cwd=ROOT, start_new_session=True,
+    )
+    return Process(name, popen, log)
+
+
+def wait_until(process: Process, ready: Callable[[], bool], timeout: float = START_TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.popen.poll() is not None:
+            raise RuntimeError(f"{process.name} exited with {process.popen.returncode}:\n{process.tail()}")
+        if ready():
+            return
+        time.sleep(0.5)
+    process.stop()
+    raise RuntimeError(f"{process.name} was not ready after {timeout}s:\n{process.tail()}")
+
+
+@dataclass
+class Stack:
+    """`taco_llm serve` running: the gateway's URL and the worker's gRPC address."""
+
+    process: Process
+    base_url: str
+    grpc_address: str
+
+
+def start_stack(name: str, extra: list[str], log_dir: Path) -> Stack:
+    port, grpc_port = free_port(), free_port()
+    process = start(name, ["serve", "--port", str(port), "--grpc-port", str(grpc_port), *extra], log_dir)
+    base_url = f"http://127.0.0.1:{port}"
+    wait_until(process, lambda: http_status(f"{base_url}/health") == 200)
+    return Stack(process, base_url, f"127.0.0.1:{grpc_port}")

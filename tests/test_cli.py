@@ -1,0 +1,55 @@
+"""The command line: help, clear refusals of bad flags, and a gateway with no worker ready."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from .support import free_port, http_status, start, wait_until
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "taco_llm.cli", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_help() -> None:
+    top = _run("--help")
+    assert top.returncode == 0 and "serve" in top.stdout and "worker" in top.stdout
+    serve = _run("serve", "-h")
+    assert serve.returncode == 0 and "--port" in serve.stdout and "taco_llm worker -h" in serve.stdout
+
+
+def test_unknown_command_and_bad_port_are_refused() -> None:
+    unknown = _run("frobnicate")
+    assert unknown.returncode == 2 and "unknown command" in unknown.stderr
+    bad_port = _run("serve", "--port", "70000")
+    assert bad_port.returncode == 2 and "--port 70000" in bad_port.stderr
+    gateway = _run("gateway", "--engine", "nohostport")
+    assert gateway.returncode == 2 and "HOST:PORT" in gateway.stderr
+
+
+def test_bad_engine_flag_is_refused_without_traceback() -> None:
+    result = _run("worker", "--dtype", "bogus")
+    assert result.returncode == 2
+    assert "--dtype" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_gateway_without_a_ready_worker_answers_503(tmp_path: Path) -> None:
+    port = free_port()
+    gateway = start("lonely-gateway", ["gateway", "--engine", f"127.0.0.1:{free_port()}", "--port", str(port)],
+                    tmp_path)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_until(gateway, lambda: http_status(f"{base}/health") is not None, timeout=60)
+        assert http_status(f"{base}/health") == 503
+        reply = httpx.post(f"{base}/v1/chat/completions",
+                           json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        assert reply.status_code == 503
+        assert reply.json()["error"]["code"] == "no_engine_ready"
+    finally:
+        # uvicorn shuts down gracefully, then re-raises SIGTERM: -15 is its clean exit.
+        assert gateway.stop() in (0, -15)

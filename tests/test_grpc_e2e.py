@@ -1,0 +1,176 @@
+"""A gRPC client on the stubs from protos/, calling the engine worker directly."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from protos import engine_pb2, engine_pb2_grpc
+
+from .support import Stack
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def _chat(text: str, **sampling: object) -> engine_pb2.GenerateRequest:
+    return engine_pb2.GenerateRequest(
+        model=MODEL,
+        chat=engine_pb2.ChatInput(messages=[engine_pb2.ChatMessage(role="user", content=text)]),
+        sampling=engine_pb2.SamplingParams(**sampling),  # type: ignore[arg-type]
+    )
+
+
+def _status(call: object) -> tuple[grpc.StatusCode, str, dict[str, str]]:
+    with pytest.raises(grpc.RpcError) as excinfo:
+        list(call)  # type: ignore[call-overload]
+    error = excinfo.value
+    return error.code(), error.details(), dict(error.trailing_metadata() or ())
+
+
+def _wait_idle(engine: engine_pb2_grpc.EngineStub, timeout: float = 20.0) -> engine_pb2.Load:
+    deadline = time.monotonic() + timeout
+    while True:
+        load = engine.GetLoad(engine_pb2.GetLoadRequest())
+        if (load.num_running_requests == 0 and load.num_waiting_requests == 0 and load.num_active_streams == 0) \
+                or time.monotonic() > deadline:
+            return load
+        time.sleep(0.2)
+
+
+def test_generate_streams_tokens(engine: engine_pb2_grpc.EngineStub) -> None:
+    messages = list(engine.Generate(_chat("What is the capital of France?", temperature=0, max_tokens=20)))
+    assert len(messages) > 2, "one message per engine step, not one at the end"
+    text = "".join(d.text for m in messages for d in m.choices)
+    tokens = [t for m in messages for d in m.choices for t in d.token_ids]
+    assert "Paris" in text
+    assert messages[0].prompt_token_ids.ids, "the first message carries the prompt's token ids"
+    last = messages[-1]
+    assert last.HasField("usage") and last.usage.completion_tokens == len(tokens)
+    assert last.choices[-1].finish_reason == "stop"
+    assert all(not m.HasField("usage") for m in messages[:-1])
+
+
+def test_token_ids_input_matches_text_input(engine: engine_pb2_grpc.EngineStub) -> None:
+    ids = list(engine.Tokenize(engine_pb2.TokenizeRequest(model=MODEL, text="The capital of France is")).token_ids)
+    sampling = engine_pb2.SamplingParams(temperature=0, max_tokens=8)
+    by_text = list(engine.Generate(engine_pb2.GenerateRequest(text="The capital of France is", sampling=sampling)))
+    by_ids = list(engine.Generate(engine_pb2.GenerateRequest(token_ids=engine_pb2.TokenIds(ids=ids),
+                                                             sampling=sampling)))
+    tokens = [[t for m in run for d in m.choices for t in d.token_ids] for run in (by_text, by_ids)]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 8
+    detok = engine.Detokenize(engine_pb2.DetokenizeRequest(token_ids=tokens[0])).text
+    assert detok == "".join(d.text for m in by_text for d in m.choices)
+
+
+def test_model_info_and_load(engine: engine_pb2_grpc.EngineStub) -> None:
+    info = engine.GetModelInfo(engine_pb2.GetModelInfoRequest())
+    assert list(info.served_model_names) == [MODEL]
+    assert info.max_model_len == 2048 and info.vocab_size == 49152
+    assert info.dtype == "float32" and info.has_chat_template
+    assert 2 in info.eos_token_ids and info.engine_version.startswith("0.32")
+    load = _wait_idle(engine)
+    assert load.num_running_requests == 0 and 0.0 <= load.kv_cache_usage <= 1.0
+
+
+def test_health_and_reflection(stack: Stack) -> None:
+    with grpc.insecure_channel(stack.grpc_address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "taco_llm.engine.v1.Engine"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+        ask = reflection_pb2.ServerReflectionRequest(list_services="")
+        replies = list(reflection.ServerReflectionInfo(iter([ask])))
+        names = {s.name for s in replies[0].list_services_response.service}
+        assert {"taco_llm.engine.v1.Engine", "grpc.health.v1.Health"} <= names
+
+
+@pytest.mark.parametrize(
+    ("sampling", "field"),
+    [({"temperature": -1.0}, "temperature"), ({"max_tokens": 0}, "max_tokens"), ({"top_p": 0.0}, "top_p"),
+     ({"logprobs": 100}, "logprobs"), ({"n": 0}, "n"), ({"stop_token_ids": [10**7]}, "stop_token_ids")],
+)
+def test_bad_fields_are_invalid_argument_naming_the_field(engine: engine_pb2_grpc.EngineStub,
+                                                          sampling: dict[str, object], field: str) -> None:
+    code, details, metadata = _status(engine.Generate(_chat("hi", **sampling)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert metadata.get("taco-error-param") == field
+    assert field in details
+
+
+def test_missing_input_unknown_model_and_too_long(engine: engine_pb2_grpc.EngineStub) -> None:
+    code, details, metadata = _status(engine.Generate(engine_pb2.GenerateRequest(model=MODEL)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and metadata["taco-error-param"] == "input"
+    code, details, metadata = _status(engine.Generate(engine_pb2.GenerateRequest(model="other", text="hi")))
+    assert code == grpc.StatusCode.NOT_FOUND and "other" in details and metadata["taco-error-param"] == "model"
+    code, details, _ = _status(engine.Generate(engine_pb2.GenerateRequest(text="hello " * 3000)))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "context length" in details
+    code, _, metadata = _status(engine.Generate(engine_pb2.GenerateRequest(token_ids=engine_pb2.TokenIds(ids=[10**6]))))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and metadata["taco-error-param"] == "token_ids"
+    # Still serving.
+    assert list(engine.Generate(_chat("hi", temperature=0, max_tokens=3)))
+
+
+def test_cancelled_stream_is_aborted_in_the_engine(engine: engine_pb2_grpc.EngineStub) -> None:
+    call = engine.Generate(_chat("Write a very long essay about the sea.", temperature=0, max_tokens=1500,
+                                 ignore_eos=True))
+    for received, _ in enumerate(call, start=1):
+        if received == 5:
+            assert engine.GetLoad(engine_pb2.GetLoadRequest()).num_running_requests == 1
+            call.cancel()
+            break
+    load = _wait_idle(engine)
+    assert load.num_running_requests == 0 and load.num_active_streams == 0
+
+
+def test_deadline_aborts_the_request(engine: engine_pb2_grpc.EngineStub) -> None:
+    call = engine.Generate(_chat("Write a very long essay about the sea.", max_tokens=1500, ignore_eos=True),
+                           timeout=1.5)
+    with pytest.raises(grpc.RpcError) as excinfo:
+        for _ in call:
+            pass
+    assert excinfo.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    load = _wait_idle(engine)
+    assert load.num_running_requests == 0 and load.num_active_streams == 0
+
+
+def test_abort_rpc_ends_a_running_request(engine: engine_pb2_grpc.EngineStub) -> None:
+    request = _chat("Count to a thousand.", max_tokens=1500, ignore_eos=True)
+    request.request_id = "abort-me"
+    finish: list[str] = []
+
+    def consume() -> None:
+        for message in engine.Generate(request):
+            finish.extend(d.finish_reason for d in message.choices if d.finish_reason)
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while engine.GetLoad(engine_pb2.GetLoadRequest()).num_running_requests == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert engine.Abort(engine_pb2.AbortRequest(request_id="abort-me")).aborted
+    thread.join(30)
+    assert finish == ["abort"]
+    assert not engine.Abort(engine_pb2.AbortRequest(request_id="abort-me")).aborted
+
+
+def test_http_client_disconnect_aborts_the_engine_request(stack: Stack,
+                                                          engine: engine_pb2_grpc.EngineStub) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long essay."}], "max_tokens": 1500,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{stack.base_url}/v1/chat/completions", json=body, timeout=60) as reply:
+        assert reply.status_code == 200
+        for i, _ in enumerate(reply.iter_lines()):
+            if i == 10:
+                break
+        assert engine.GetLoad(engine_pb2.GetLoadRequest()).num_running_requests == 1
+    load = _wait_idle(engine)
+    assert load.num_running_requests == 0 and load.num_active_streams == 0
