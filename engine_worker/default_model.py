@@ -118,8 +118,8 @@ def _convert(source: Path, out: Path) -> None:
         # The weights are dense now; without the GGUF marker vLLM loads the folder as a plain model.
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-        model.hf_quantizer = None
-        model.is_quantized = False
+        setattr(model, "hf_quantizer", None)  # noqa: B010 - typed as a submodule by transformers
+        setattr(model, "is_quantized", False)  # noqa: B010
         bar.update()
         bar.set_postfix_str("writing safetensors")
         model.save_pretrained(out, safe_serialization=True)

@@ -13,6 +13,7 @@ def _logprobs(output: CompletionOutput, top_n: int) -> list[engine_pb2.TokenLogp
         return []
     items = []
     for token_id, candidates in zip(output.token_ids, output.logprobs, strict=False):
+        candidates = candidates or {}
         sampled: Logprob | None = candidates.get(token_id)
         # The sampled token always comes with the top ones, ranked 1..n; keep only those n as alternatives.
         top = sorted(

@@ -79,7 +79,9 @@ async def render_chat(renderer: BaseRenderer, chat: engine_pb2.ChatInput,
     if add_special_tokens is not None:
         tok_params = tok_params.with_kwargs(add_special_tokens=add_special_tokens)
     messages = [_message_dict(m) for m in chat.messages]
-    _, (engine_input,) = await renderer.render_chat_async([messages], _chat_params(chat), tok_params)
+    _, (engine_input,) = await renderer.render_chat_async(
+        [messages], _chat_params(chat), tok_params  # type: ignore[list-item]
+    )
     return engine_input  # type: ignore[return-value]
 
 

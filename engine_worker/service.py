@@ -124,7 +124,10 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         try:
             # Cancelling this call (client gone, deadline passed) cancels the generator, and vLLM's
             # generate() aborts the request in the engine on the way out.
-            async for output in self.engine.generate(engine_input, params, request_id, priority=request.priority):
+            async for output in self.engine.generate(
+                engine_input,  # type: ignore[arg-type]  # a rendered EngineInput dict
+                params, request_id, priority=request.priority,
+            ):
                 yield builder.build(output)
         except VLLMValidationError as error:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error), error.parameter or "sampling")

@@ -1,0 +1,27 @@
+"""docker-compose.yml runs commands this command line accepts (no Docker engine runs on these machines)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from .support import ROOT
+
+
+def _services() -> dict[str, dict[str, object]]:
+    return yaml.safe_load(Path(ROOT / "docker-compose.yml").read_text())["services"]  # type: ignore[no-any-return]
+
+
+def test_compose_commands_parse() -> None:
+    from engine_worker.args import parse as parse_worker
+    from gateway.__main__ import parse as parse_gateway
+
+    services = _services()
+    worker = services["worker"]["command"]
+    gateway = services["gateway"]["command"]
+    assert worker[:2] == ["taco_llm", "worker"] and gateway[:2] == ["taco_llm", "gateway"]
+    worker_args = parse_worker(worker[2:])  # type: ignore[index]
+    settings = parse_gateway(gateway[2:])  # type: ignore[index]
+    assert settings.engines == [f"worker:{worker_args.grpc_port}"]
+    assert worker_args.grpc_host == "0.0.0.0" and settings.host == "0.0.0.0"
