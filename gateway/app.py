@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
@@ -21,7 +20,7 @@ from protos import engine_pb2
 from . import to_engine
 from .engine_pool import EnginePool
 from .errors import APIError, bad_request, from_grpc
-from .metrics import observe_request
+from .metrics import MetricsMiddleware
 from .openai_routes import engine_metadata, router
 from .protocol import DetokenizeRequest, TokenizeRequest
 
@@ -85,6 +84,7 @@ def create_app(settings: GatewaySettings, pool: EnginePool | None = None) -> Fas
     app.state.settings = settings
     app.state.pool = pool
     app.include_router(router)
+    app.add_middleware(MetricsMiddleware)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError) -> JSONResponse:
@@ -99,13 +99,6 @@ def create_app(settings: GatewaySettings, pool: EnginePool | None = None) -> Fas
     async def unexpected(_: Request, error: Exception) -> JSONResponse:
         logger.exception("unhandled error")
         return APIError(500, f"internal error: {type(error).__name__}").response()
-
-    @app.middleware("http")
-    async def count(request: Request, call_next: Any) -> Response:
-        start = time.perf_counter()
-        response: Response = await call_next(request)
-        observe_request(request.url.path, response.status_code, time.perf_counter() - start)
-        return response
 
     @app.get("/health")
     async def health() -> Response:
