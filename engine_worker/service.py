@@ -15,6 +15,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from protos import engine_pb2, engine_pb2_grpc
+from taco_llm.version import package_version
 
 from . import prompts
 from .engine import LoadTracker
@@ -24,7 +25,6 @@ from .sampling import InvalidField, Limits, to_vllm
 logger = logging.getLogger(__name__)
 
 ERROR_PARAM_KEY = "taco-error-param"
-WORKER_VERSION = "0.1.0"
 
 
 class TooLong(Exception):
@@ -162,7 +162,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             has_chat_template=bool(getattr(self.tokenizer, "chat_template", None)),
             max_logprobs=self.limits.max_logprobs,
             engine_version=vllm.__version__,
-            worker_version=WORKER_VERSION,
+            worker_version=package_version(),
             created=self.created,
         )
         if self.tokenizer.bos_token_id is not None:

@@ -6,7 +6,6 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import grpc
@@ -16,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from protos import engine_pb2
+from taco_llm.version import package_version
 
 from . import to_engine
 from .engine_pool import EnginePool
@@ -25,13 +25,6 @@ from .openai_routes import engine_metadata, router
 from .protocol import DetokenizeRequest, TokenizeRequest
 
 logger = logging.getLogger(__name__)
-
-
-def package_version() -> str:
-    try:
-        return version("taco-llm")
-    except PackageNotFoundError:
-        return "0+unknown"
 
 
 @dataclass
