@@ -53,6 +53,16 @@ def _sse_error(error: APIError) -> bytes:
     return _sse(error.body())
 
 
+def _chunk(kind: str, request_id: str, created: int, model: str, choices: list[dict[str, Any]],
+           include_usage: bool, usage: dict[str, Any] | None = None) -> bytes:
+    """One SSE event; with include_usage every chunk has a `usage` key, null but on the last, as OpenAI's."""
+    payload: dict[str, Any] = {"id": request_id, "object": kind, "created": created, "model": model,
+                               "choices": choices}
+    if include_usage:
+        payload["usage"] = usage
+    return _sse(payload)
+
+
 async def _until_disconnect(request: Request) -> None:
     while True:
         message = await request.receive()
@@ -157,11 +167,7 @@ async def _chat_chunks(stream: EngineStream, request_id: str, model: str, create
                        text_of: TokenText, include_usage: bool, continuous: bool,
                        token_ids: bool) -> AsyncIterator[bytes]:
     def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
-        payload: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                                   "model": model, "choices": choices}
-        if include_usage:
-            payload["usage"] = usage
-        return _sse(payload)
+        return _chunk("chat.completion.chunk", request_id, created, model, choices, include_usage, usage)
 
     completion_tokens = 0
     try:
@@ -296,11 +302,7 @@ async def _completion_chunks(streams: list[EngineStream], echoes: list[str], req
             await queue.put((prompt_index, None))
 
     def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
-        payload: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created,
-                                   "model": model, "choices": choices}
-        if include_usage:
-            payload["usage"] = usage
-        return _sse(payload)
+        return _chunk("text_completion", request_id, created, model, choices, include_usage, usage)
 
     pumps = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     offsets = {(p, i): len(echoes[p]) for p in range(len(streams)) for i in range(n)}

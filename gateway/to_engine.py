@@ -37,32 +37,29 @@ def _schema_text(value: str | dict[str, Any], param: str) -> str:
     return json.dumps(value)
 
 
+def _constraints(prefix: str, json_: str | dict[str, Any] | None, regex: str | None, choice: list[str] | None,
+                 grammar: str | None) -> list[tuple[str, engine_pb2.StructuredOutput]]:
+    """The constraints one spelling of the request gives (vLLM's `structured_outputs.*` or the older
+    `guided_*`), each with the field name to blame."""
+    found = []
+    if json_ is not None:
+        found.append((f"{prefix}json", engine_pb2.StructuredOutput(json_schema=_schema_text(json_, f"{prefix}json"))))
+    if regex is not None:
+        found.append((f"{prefix}regex", engine_pb2.StructuredOutput(regex=regex)))
+    if choice is not None:
+        found.append((f"{prefix}choice", engine_pb2.StructuredOutput(choice=engine_pb2.ChoiceList(choices=choice))))
+    if grammar is not None:
+        found.append((f"{prefix}grammar", engine_pb2.StructuredOutput(grammar=grammar)))
+    return found
+
+
 def _structured_output(body: SamplingFields) -> engine_pb2.StructuredOutput | None:
-    kinds: list[tuple[str, engine_pb2.StructuredOutput]] = []
+    kinds = _constraints("guided_", body.guided_json, body.guided_regex, body.guided_choice, body.guided_grammar)
     so = body.structured_outputs
     if so is not None:
-        if so.json_ is not None:
-            kinds.append(("structured_outputs.json", engine_pb2.StructuredOutput(
-                json_schema=_schema_text(so.json_, "structured_outputs.json"))))
-        if so.regex is not None:
-            kinds.append(("structured_outputs.regex", engine_pb2.StructuredOutput(regex=so.regex)))
-        if so.choice is not None:
-            kinds.append(("structured_outputs.choice", engine_pb2.StructuredOutput(
-                choice=engine_pb2.ChoiceList(choices=so.choice))))
-        if so.grammar is not None:
-            kinds.append(("structured_outputs.grammar", engine_pb2.StructuredOutput(grammar=so.grammar)))
+        kinds += _constraints("structured_outputs.", so.json_, so.regex, so.choice, so.grammar)
         if so.json_object:
             kinds.append(("structured_outputs.json_object", engine_pb2.StructuredOutput(json_object=True)))
-    if body.guided_json is not None:
-        kinds.append(("guided_json", engine_pb2.StructuredOutput(
-            json_schema=_schema_text(body.guided_json, "guided_json"))))
-    if body.guided_regex is not None:
-        kinds.append(("guided_regex", engine_pb2.StructuredOutput(regex=body.guided_regex)))
-    if body.guided_choice is not None:
-        kinds.append(("guided_choice", engine_pb2.StructuredOutput(
-            choice=engine_pb2.ChoiceList(choices=body.guided_choice))))
-    if body.guided_grammar is not None:
-        kinds.append(("guided_grammar", engine_pb2.StructuredOutput(grammar=body.guided_grammar)))
     rf = body.response_format
     if rf is not None and rf.type == "json_object":
         kinds.append(("response_format", engine_pb2.StructuredOutput(json_object=True)))
