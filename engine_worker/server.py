@@ -9,6 +9,7 @@ import logging
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from vllm.v1.engine.async_llm import AsyncLLM
 
 from protos import engine_pb2, engine_pb2_grpc
 
@@ -24,10 +25,10 @@ GRPC_MESSAGE_LIMIT = 64 * 1024 * 1024
 SHUTDOWN_GRACE_SECONDS = 5.0
 
 
-async def _log_stats(engine: object, interval: float) -> None:
+async def _log_stats(engine: AsyncLLM, interval: float) -> None:
     while True:
         await asyncio.sleep(interval)
-        await engine.do_log_stats()  # type: ignore[attr-defined]
+        await engine.do_log_stats()
 
 
 async def serve(args: WorkerArgs, stop: asyncio.Event) -> int:

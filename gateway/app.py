@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -39,7 +39,6 @@ class GatewaySettings:
     engine_api_key: str | None = None
     health_interval: float = 1.0
     root_path: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _validation_param(error: RequestValidationError) -> str | None:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .flags import FLAGS, Flag
+from .flags import BY_NAME, FLAGS, Flag
 
 SERVE_USAGE = "taco_llm serve [model_tag] [options]"
 # TACO's speculative flags and their keys in vLLM 0.32's --speculative-config.
@@ -109,7 +109,7 @@ def _number(name: str, text: str, kind: type, errors: list[str]) -> Any:
         return None
 
 
-def _mapped(given: dict[str, Any], errors: list[str], warnings: list[str]) -> list[str]:
+def _mapped(given: dict[str, Any], errors: list[str]) -> list[str]:
     """Worker flags for the TACO/vLLM-0.6 flags that vLLM 0.32 renamed or regrouped."""
     argv: list[str] = []
     if given.get("--worker-use-ray"):
@@ -165,7 +165,7 @@ def parse(argv: Sequence[str]) -> ServeArgs:
     gateway_argv: list[str] = []
     worker_argv: list[str] = [*model]
     for name, value in given.items():
-        flag = next(f for f in FLAGS if f.name == name)
+        flag = BY_NAME[name]
         if flag.kind == "gateway":
             gateway_argv += _emit(flag, value)
         elif flag.kind == "pass":
@@ -174,7 +174,7 @@ def parse(argv: Sequence[str]) -> ServeArgs:
             warnings.append(f"{name} has no effect on vLLM's V1 engine: {flag.note}")
         elif flag.kind in ("refuse", "pending"):
             errors.append(f"{name}: {flag.note}")
-    worker_argv += _mapped(given, errors, warnings)
+    worker_argv += _mapped(given, errors)
     if errors:
         raise ServeArgsError("\n".join(errors))
     host = str(given.get("--host", "127.0.0.1"))
