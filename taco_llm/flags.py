@@ -3,6 +3,8 @@
 Kinds:
 - gateway: handled by the gateway process;
 - pass: handed to the engine worker unchanged (vLLM 0.32 still has it);
+- taco: a TACO-LLM acceleration flag, handed to the engine worker, whose own plugins (or the cache
+  service that `serve` starts) implement it;
 - map: rewritten into today's vLLM equivalent;
 - noop: accepted with one warning line, since it means nothing on vLLM's V1 engine;
 - refuse: an error naming the flag, where honouring it is impossible on this base;
@@ -18,7 +20,7 @@ import sys
 from dataclasses import dataclass
 from typing import Literal
 
-Kind = Literal["gateway", "pass", "map", "noop", "refuse", "pending"]
+Kind = Literal["gateway", "pass", "taco", "map", "noop", "refuse", "pending"]
 # switch: no value; value: one; values: one or more; optional: zero or one.
 Arity = Literal["switch", "value", "values", "optional"]
 
@@ -202,6 +204,7 @@ BY_NAME = {f.name: f for f in FLAGS}
 _KIND_TEXT = {
     "gateway": "gateway",
     "pass": "passed through",
+    "taco": "TACO-LLM acceleration",
     "map": "mapped",
     "noop": "accepted, no-op (warns)",
     "refuse": "refused",

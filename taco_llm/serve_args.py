@@ -168,7 +168,7 @@ def parse(argv: Sequence[str]) -> ServeArgs:
         flag = BY_NAME[name]
         if flag.kind == "gateway":
             gateway_argv += _emit(flag, value)
-        elif flag.kind == "pass":
+        elif flag.kind in ("pass", "taco"):
             worker_argv += _emit(flag, value)
         elif flag.kind == "noop":
             warnings.append(f"{name} has no effect on vLLM's V1 engine: {flag.note}")
