@@ -1,0 +1,73 @@
+"""The cache service's grpc.aio server: its servicers, the gRPC health service, and reflection."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos import kv_cache_pb2, kv_cache_pb2_grpc
+
+from .config import CacheServiceConfig
+from .kv_servicer import CHUNK_BYTES, KVBlockStoreServicer
+
+logger = logging.getLogger(__name__)
+
+# Chunks are at most CHUNK_BYTES; the limit leaves room for headers and refuses anything larger.
+GRPC_MESSAGE_LIMIT = 4 * CHUNK_BYTES
+SHUTDOWN_GRACE_SECONDS = 5.0
+
+
+@dataclass
+class Servicer:
+    """One service this process offers: its full proto name, and how to add it to the server."""
+
+    name: str
+    add_to_server: Callable[[grpc.aio.Server], None]
+
+
+def servicers(config: CacheServiceConfig) -> list[Servicer]:
+    """Every service of the cache service, in one place. Each gets the whole config."""
+    kv = KVBlockStoreServicer(config)
+    return [
+        Servicer(kv_cache_pb2.DESCRIPTOR.services_by_name["KVBlockStore"].full_name,
+                 lambda server: kv_cache_pb2_grpc.add_KVBlockStoreServicer_to_server(kv, server)),
+        # The lookahead n-gram index (cache_service/lookahead_*.py, config.redis_url) registers here.
+    ]
+
+
+async def serve(config: CacheServiceConfig, stop: asyncio.Event) -> int:
+    server = grpc.aio.server(options=[
+        ("grpc.max_send_message_length", GRPC_MESSAGE_LIMIT),
+        ("grpc.max_receive_message_length", GRPC_MESSAGE_LIMIT),
+        ("grpc.so_reuseport", 0),
+    ])
+    offered = servicers(config)
+    for servicer in offered:
+        servicer.add_to_server(server)
+    health_service = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
+    names = [s.name for s in offered]
+    reflection.enable_server_reflection(
+        (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    address = f"{config.grpc_host}:{config.grpc_port}"
+    try:
+        server.add_insecure_port(address)
+    except RuntimeError as error:
+        logger.error("cannot listen on %s (--grpc-host/--grpc-port): %s", address, error)
+        return 1
+    await server.start()
+    for name in ("", *names):
+        await health_service.set(name, health_pb2.HealthCheckResponse.SERVING)
+    print(f"taco_llm cache-service: serving {', '.join(names)} over gRPC at {address} "
+          f"(KV budget {config.kv_budget_bytes} bytes)", flush=True)
+    await stop.wait()
+    logger.info("shutting down")
+    await health_service.enter_graceful_shutdown()
+    await server.stop(SHUTDOWN_GRACE_SECONDS)
+    return 0

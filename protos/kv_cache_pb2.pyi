@@ -1,0 +1,119 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class LookupRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("num_blocks",)
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
+
+class BlockHeader(_message.Message):
+    __slots__ = ("key", "parent_key", "size", "num_segments", "checksum")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    parent_key: bytes
+    size: int
+    num_segments: int
+    checksum: int
+    def __init__(self, key: _Optional[bytes] = ..., parent_key: _Optional[bytes] = ..., size: _Optional[int] = ..., num_segments: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class PutBlocksChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: BlockHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[BlockHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PutBlocksResponse(_message.Message):
+    __slots__ = ("num_stored", "num_already_held", "num_below_threshold", "num_no_room")
+    NUM_STORED_FIELD_NUMBER: _ClassVar[int]
+    NUM_ALREADY_HELD_FIELD_NUMBER: _ClassVar[int]
+    NUM_BELOW_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    NUM_NO_ROOM_FIELD_NUMBER: _ClassVar[int]
+    num_stored: int
+    num_already_held: int
+    num_below_threshold: int
+    num_no_room: int
+    def __init__(self, num_stored: _Optional[int] = ..., num_already_held: _Optional[int] = ..., num_below_threshold: _Optional[int] = ..., num_no_room: _Optional[int] = ...) -> None: ...
+
+class GetBlocksRequest(_message.Message):
+    __slots__ = ("keys", "segment_major")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_MAJOR_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    segment_major: bool
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., segment_major: _Optional[bool] = ...) -> None: ...
+
+class GetBlocksChunk(_message.Message):
+    __slots__ = ("headers", "block_index", "offset", "data")
+    HEADERS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    headers: _containers.RepeatedCompositeFieldContainer[BlockHeader]
+    block_index: int
+    offset: int
+    data: bytes
+    def __init__(self, headers: _Optional[_Iterable[_Union[BlockHeader, _Mapping]]] = ..., block_index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BlockHits(_message.Message):
+    __slots__ = ("key", "hits")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    hits: int
+    def __init__(self, key: _Optional[bytes] = ..., hits: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("bytes_used", "bytes_budget", "num_blocks", "lookups", "lookup_hit_blocks", "lookup_miss_blocks", "blocks_served", "blocks_stored", "blocks_below_threshold", "blocks_evicted", "bytes_stored", "bytes_served", "min_access_threshold", "hit_counts_enabled", "top_hits")
+    BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_MISS_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_SERVED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_STORED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_BELOW_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_STORED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SERVED_FIELD_NUMBER: _ClassVar[int]
+    MIN_ACCESS_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    HIT_COUNTS_ENABLED_FIELD_NUMBER: _ClassVar[int]
+    TOP_HITS_FIELD_NUMBER: _ClassVar[int]
+    bytes_used: int
+    bytes_budget: int
+    num_blocks: int
+    lookups: int
+    lookup_hit_blocks: int
+    lookup_miss_blocks: int
+    blocks_served: int
+    blocks_stored: int
+    blocks_below_threshold: int
+    blocks_evicted: int
+    bytes_stored: int
+    bytes_served: int
+    min_access_threshold: int
+    hit_counts_enabled: bool
+    top_hits: _containers.RepeatedCompositeFieldContainer[BlockHits]
+    def __init__(self, bytes_used: _Optional[int] = ..., bytes_budget: _Optional[int] = ..., num_blocks: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_hit_blocks: _Optional[int] = ..., lookup_miss_blocks: _Optional[int] = ..., blocks_served: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., blocks_below_threshold: _Optional[int] = ..., blocks_evicted: _Optional[int] = ..., bytes_stored: _Optional[int] = ..., bytes_served: _Optional[int] = ..., min_access_threshold: _Optional[int] = ..., hit_counts_enabled: _Optional[bool] = ..., top_hits: _Optional[_Iterable[_Union[BlockHits, _Mapping]]] = ...) -> None: ...
