@@ -22,6 +22,7 @@ class WorkerArgs:
     grpc_port: int
     uses_default_model: bool
     log_stats_interval: float
+    api_key: str | None = None
 
 
 def build_parser() -> FlexibleArgumentParser:
@@ -34,6 +35,9 @@ def build_parser() -> FlexibleArgumentParser:
                         help="a local Hugging Face model folder or name (default: the bundled model)")
     parser.add_argument("--grpc-host", default="127.0.0.1", help="address the gRPC service listens on")
     parser.add_argument("--grpc-port", type=int, default=50051, help="port the gRPC service listens on")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'authorization: Bearer KEY' in the metadata of every gRPC call "
+                        "but the health service's")
     parser.add_argument("--log-stats-interval", type=float, default=10.0,
                         help="seconds between engine statistics log lines (unless --disable-log-stats)")
     parser = AsyncEngineArgs.add_cli_args(parser)
@@ -56,5 +60,6 @@ def parse(argv: Sequence[str]) -> WorkerArgs:
     if args.log_stats_interval <= 0:
         parser.error(f"--log-stats-interval must be positive, got {args.log_stats_interval}")
     engine = AsyncEngineArgs.from_cli_args(args)
-    return WorkerArgs(engine, args.grpc_host, args.grpc_port, not explicit_model, args.log_stats_interval)
+    return WorkerArgs(engine, args.grpc_host, args.grpc_port, not explicit_model, args.log_stats_interval,
+                      args.api_key or None)
 

@@ -14,6 +14,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from protos import engine_pb2, engine_pb2_grpc
 
 from .args import WorkerArgs
+from .auth import ApiKeyInterceptor
 from .engine import resolve_default_model, start_engine
 from .service import EngineService
 
@@ -43,7 +44,7 @@ async def serve(args: WorkerArgs, stop: asyncio.Event) -> int:
         ("grpc.max_send_message_length", GRPC_MESSAGE_LIMIT),
         ("grpc.max_receive_message_length", GRPC_MESSAGE_LIMIT),
         ("grpc.so_reuseport", 0),
-    ])
+    ], interceptors=[ApiKeyInterceptor(args.api_key)] if args.api_key else None)
     engine_pb2_grpc.add_EngineServicer_to_server(service, server)
     health_service = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_service, server)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -11,6 +12,8 @@ import uvicorn
 
 from .app import GatewaySettings, create_app
 from .args import add_gateway_args
+from .tls import TlsError, tls_options
+from .user_middleware import MiddlewareError, load_middleware
 
 
 def parse(argv: Sequence[str] | None) -> GatewaySettings:
@@ -29,6 +32,12 @@ def parse(argv: Sequence[str] | None) -> GatewaySettings:
             parser.error(f"--engine {address!r} is not HOST:PORT")
     if not 0 < args.port < 65536:
         parser.error(f"--port {args.port} is not a TCP port")
+    try:
+        tls = tls_options(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+        for path in args.middleware:
+            load_middleware(path)  # a bad path is refused now, not when the first request comes
+    except (TlsError, MiddlewareError) as error:
+        parser.error(str(error))
     return GatewaySettings(
         engines=args.engine,
         host=args.host,
@@ -38,6 +47,14 @@ def parse(argv: Sequence[str] | None) -> GatewaySettings:
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         engine_api_key=args.engine_api_key,
         root_path=args.root_path,
+        # As vLLM: the flag wins over the environment.
+        api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None,
+        allowed_origins=args.allowed_origins,
+        allowed_methods=args.allowed_methods,
+        allowed_headers=args.allowed_headers,
+        allow_credentials=args.allow_credentials,
+        middleware=args.middleware,
+        tls=tls,
     )
 
 
@@ -45,10 +62,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s gateway: %(message)s")
     app = create_app(settings)
-    print(f"taco_llm gateway: listening on http://{settings.host}:{settings.port}, "
+    print(f"taco_llm gateway: listening on {settings.scheme}://{settings.host}:{settings.port}, "
           f"engines {', '.join(settings.engines)}", flush=True)
+    tls = settings.tls.uvicorn_kwargs() if settings.tls else {}
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.uvicorn_log_level,
-                access_log=settings.uvicorn_log_level in ("debug", "trace"), timeout_graceful_shutdown=5)
+                access_log=settings.uvicorn_log_level in ("debug", "trace"), timeout_graceful_shutdown=5,
+                **tls)  # type: ignore[arg-type]
     return 0
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -13,16 +13,19 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.middleware.cors import CORSMiddleware
 
 from protos import engine_pb2
 from taco_llm.version import package_version
 
-from . import to_engine
+from . import to_engine, user_middleware
+from .auth import ApiKeyMiddleware
 from .engine_pool import EnginePool
 from .errors import APIError, bad_request, from_grpc
 from .metrics import MetricsMiddleware
 from .openai_routes import engine_metadata, router
 from .protocol import DetokenizeRequest, TokenizeRequest
+from .tls import TlsOptions
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +42,18 @@ class GatewaySettings:
     engine_api_key: str | None = None
     health_interval: float = 1.0
     root_path: str = ""
+    # Required of HTTP clients (`Authorization: Bearer KEY`) on every route but /health.
+    api_key: str | None = None
+    allowed_origins: list[str] = field(default_factory=list)
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    middleware: list[str] = field(default_factory=list)  # import paths, checked by gateway.__main__.parse
+    tls: TlsOptions | None = None
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls is not None else "http"
 
 
 def _validation_param(error: RequestValidationError) -> str | None:
@@ -62,7 +77,9 @@ def _validation_message(error: RequestValidationError) -> str:
 
 
 def create_app(settings: GatewaySettings, pool: EnginePool | None = None) -> FastAPI:
-    pool = pool or EnginePool(settings.engines, settings.health_interval)
+    key = settings.engine_api_key
+    pool = pool or EnginePool(settings.engines, settings.health_interval,
+                              (("authorization", f"Bearer {key}"),) if key else ())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -76,6 +93,15 @@ def create_app(settings: GatewaySettings, pool: EnginePool | None = None) -> Fas
     app.state.settings = settings
     app.state.pool = pool
     app.include_router(router)
+    # The last added runs first: metrics see every answer, CORS headers go on refusals too, and a
+    # user's middleware sees requests before the key check, as in vLLM.
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    for path in settings.middleware:
+        user_middleware.install(app, user_middleware.load_middleware(path))
+    app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
+                       allow_credentials=settings.allow_credentials, allow_methods=settings.allowed_methods,
+                       allow_headers=settings.allowed_headers)
     app.add_middleware(MetricsMiddleware)
 
     @app.exception_handler(APIError)

@@ -46,11 +46,14 @@ class EngineClient:
     ready: bool = False
     in_flight: int = 0
     last_error: str = field(default="", repr=False)
+    # Sent on the gateway's own calls (GetModelInfo), for workers started with --api-key.
+    metadata: tuple[tuple[str, str], ...] = field(default=(), repr=False)
 
     @classmethod
-    def connect(cls, address: str) -> EngineClient:
+    def connect(cls, address: str, metadata: tuple[tuple[str, str], ...] = ()) -> EngineClient:
         channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
-        return cls(address, channel, engine_pb2_grpc.EngineStub(channel), health_pb2_grpc.HealthStub(channel))
+        return cls(address, channel, engine_pb2_grpc.EngineStub(channel), health_pb2_grpc.HealthStub(channel),
+                   metadata=metadata)
 
     def serves(self, model: str) -> bool:
         return self.info is not None and model in self.info.served_model_names
@@ -62,7 +65,8 @@ class EngineClient:
             )
             serving = reply.status == health_pb2.HealthCheckResponse.SERVING
             if serving and self.info is None:
-                self.info = await self.stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=timeout)
+                self.info = await self.stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=timeout,
+                                                         metadata=self.metadata)
         except grpc.aio.AioRpcError as error:
             serving = False
             self.last_error = f"{error.code().name}: {error.details()}"
@@ -77,17 +81,19 @@ class EngineClient:
 class EnginePool:
     """Routes each request to the least-busy ready worker that serves its model."""
 
-    def __init__(self, addresses: Sequence[str], health_interval: float = 1.0):
+    def __init__(self, addresses: Sequence[str], health_interval: float = 1.0,
+                 metadata: tuple[tuple[str, str], ...] = ()):
         if not addresses:
             raise ValueError("at least one --engine HOST:PORT is needed")
         self.addresses = list(addresses)
         # Channels belong to the event loop that creates them: made in start(), on the server's loop.
         self.clients: list[EngineClient] = []
         self.health_interval = health_interval
+        self.metadata = metadata
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self.clients = [EngineClient.connect(a) for a in self.addresses]
+        self.clients = [EngineClient.connect(a, self.metadata) for a in self.addresses]
         await self.refresh()
         self._task = asyncio.create_task(self._watch(), name="engine-health")
 

@@ -113,11 +113,11 @@ def _include_usage(body: ChatCompletionRequest | CompletionRequest) -> tuple[boo
 
 
 def _response_model(request: Request, body_model: str | None, stream: EngineStream) -> str:
-    # Responses carry the name the client asked for, or the worker's first name.
-    if body_model:
-        return body_model
+    # As vLLM's: responses carry the worker's first served name whichever of its names was asked for
+    # (--served-model-name A B); any other name (a LoRA adapter's) is carried as asked.
     assert stream.client.info is not None
-    return stream.client.info.served_model_names[0]
+    names = stream.client.info.served_model_names
+    return body_model if body_model and body_model not in names else names[0]
 
 
 @router.post("/v1/chat/completions")

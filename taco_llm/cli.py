@@ -20,7 +20,7 @@ def serve(argv: Sequence[str]) -> int:
     from gateway.__main__ import parse as check_gateway_args
 
     from .serve_args import ServeArgsError, parse
-    from .supervisor import probe_host
+    from .supervisor import probe_host, probe_ssl_context
     from .supervisor import serve as run
 
     try:
@@ -35,8 +35,11 @@ def serve(argv: Sequence[str]) -> int:
     gateway_argv = ["--engine", engine_address, *args.gateway_argv]
     check_gateway_args(gateway_argv)  # refuses a bad gateway flag now, before the engine starts
     worker_argv = [*args.worker_argv, "--grpc-host", args.grpc_host, "--grpc-port", str(args.grpc_port)]
-    base_url = f"http://{probe_host(args.host)}:{args.port}"
-    return run(worker_argv, gateway_argv, base_url, args.ready_timeout)
+    scheme = "https" if args.ssl_certfile else "http"
+    base_url = f"{scheme}://{probe_host(args.host)}:{args.port}"
+    # The gateway has checked the files (check_gateway_args), so this loads them without surprises.
+    context = probe_ssl_context(args.ssl_certfile, args.ssl_keyfile) if args.ssl_certfile else None
+    return run(worker_argv, gateway_argv, base_url, args.ready_timeout, args.api_key, context)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

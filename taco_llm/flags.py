@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 Kind = Literal["gateway", "pass", "taco", "map", "noop", "refuse", "pending"]
-# switch: no value; value: one; values: one or more; optional: zero or one.
-Arity = Literal["switch", "value", "values", "optional"]
+# switch: no value; value: one; values: one or more; optional: zero or one; append: one, repeatable.
+Arity = Literal["switch", "value", "values", "optional", "append"]
 
 
 @dataclass(frozen=True)
@@ -44,31 +44,35 @@ _OFFLOAD = "the Auto Prefix Cache CPU Offload is not built yet"
 _LOOKAHEAD = "the Lookahead Cache is not built yet"
 
 FLAGS: list[Flag] = [
-    _f("--config", "pending", "value", "Read CLI options from a YAML config file.",
-       "YAML config files are not built yet"),
+    _f("--config", "map", "value", "Read CLI options from a YAML config file.",
+       "its keys (flag names without dashes, snake or kebab case) become those flags; the command line wins"),
     _f("--host", "gateway", "value", "host name", "where the gateway listens (default 127.0.0.1)"),
     _f("--port", "gateway", "value", "port number", "the gateway's port (default 8000)"),
     _f("--uvicorn-log-level", "gateway", "value", "log level for uvicorn",
        "uvicorn's log level; debug and trace also log each request"),
-    _f("--allow-credentials", "pending", "switch", "allow credentials", "CORS is not built yet"),
-    _f("--allowed-origins", "pending", "value", "allowed origins", "CORS is not built yet"),
-    _f("--allowed-methods", "pending", "value", "allowed methods", "CORS is not built yet"),
-    _f("--allowed-headers", "pending", "value", "allowed headers", "CORS is not built yet"),
-    _f("--api-key", "pending", "value", "require this key in the Authorization header",
-       "API keys are not built yet"),
+    _f("--allow-credentials", "gateway", "switch", "allow credentials", "CORS: allow credentials"),
+    _f("--allowed-origins", "gateway", "value", "allowed origins",
+       "CORS origins, a JSON list (default [], as vLLM 0.32)"),
+    _f("--allowed-methods", "gateway", "value", "allowed methods", "CORS methods, a JSON list (default [\"*\"])"),
+    _f("--allowed-headers", "gateway", "value", "allowed headers", "CORS headers, a JSON list (default [\"*\"])"),
+    _f("--api-key", "gateway", "value", "require this key in the Authorization header",
+       "every route but /health needs `Authorization: Bearer KEY` (default: $VLLM_API_KEY); the worker "
+       "gets it too and wants it in gRPC metadata"),
     _f("--lora-modules", "pending", "values", "LoRA modules as name=path", "LoRA serving is not built yet"),
     _f("--prompt-adapters", "refuse", "values", "prompt adapters as name=path",
        "vLLM removed prompt adapters; no V1 engine can load them"),
     _f("--chat-template", "pending", "value", "chat template file, or the template inline",
        "a server-wide chat template is not built yet (requests may send chat_template)"),
     _f("--response-role", "gateway", "value", "the role of chat replies", "the role of chat replies"),
-    _f("--ssl-keyfile", "pending", "value", "SSL key file", "HTTPS is not built yet"),
-    _f("--ssl-certfile", "pending", "value", "SSL certificate file", "HTTPS is not built yet"),
-    _f("--ssl-ca-certs", "pending", "value", "CA certificates file", "HTTPS is not built yet"),
-    _f("--ssl-cert-reqs", "pending", "value", "whether a client certificate is required", "HTTPS is not built yet"),
+    _f("--ssl-keyfile", "gateway", "value", "SSL key file", "the gateway's TLS private key"),
+    _f("--ssl-certfile", "gateway", "value", "SSL certificate file", "the gateway's TLS certificate: HTTPS"),
+    _f("--ssl-ca-certs", "gateway", "value", "CA certificates file", "CAs that client certificates must chain to"),
+    _f("--ssl-cert-reqs", "gateway", "value", "whether a client certificate is required",
+       "client certificates: 0 none, 1 optional, 2 required (ssl.CERT_*)"),
     _f("--root-path", "gateway", "value", "FastAPI root_path behind a path-based proxy",
        "FastAPI root_path of the gateway"),
-    _f("--middleware", "pending", "value", "extra ASGI middleware, by import path", "middleware is not built yet"),
+    _f("--middleware", "gateway", "append", "extra ASGI middleware, by import path",
+       "repeatable; a function becomes @app.middleware('http'), a class app.add_middleware()"),
     _f("--return-tokens-as-token-ids", "gateway", "switch", "show logprob tokens as 'token_id:N'",
        "logprob tokens shown as token_id:N"),
     _f("--disable-frontend-multiprocessing", "pending", "switch", "run the frontend in the engine's process",

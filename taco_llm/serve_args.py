@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .config_file import ConfigFileError, expand_config
 from .flags import BY_NAME, FLAGS, Flag
 
 SERVE_USAGE = "taco_llm serve [model_tag] [options]"
@@ -39,6 +41,10 @@ class ServeArgs:
     port: int
     ready_timeout: float
     warnings: list[str] = field(default_factory=list)
+    # For the supervisor's readiness probe: the key the gateway wants, and HTTPS.
+    api_key: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
 
 
 def _dest(flag: Flag) -> str:
@@ -64,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
         elif flag.arity == "optional":
             kwargs["nargs"] = "?"
             kwargs["const"] = True
+        elif flag.arity == "append":
+            kwargs["action"] = "append"
         parser.add_argument(*names, **kwargs)
     serve = parser.add_argument_group("taco_llm serve")
     serve.add_argument("--grpc-host", default="127.0.0.1", help="where the engine worker's gRPC service listens")
@@ -78,6 +86,8 @@ def _emit(flag: Flag, value: Any) -> list[str]:
         return [flag.name] if value else []
     if flag.arity == "values":
         return [flag.name, *map(str, value)]
+    if flag.arity == "append":
+        return [item for one in value for item in (flag.name, str(one))]
     if flag.arity == "optional" and value is True:
         return [flag.name]
     return [flag.name, str(value)]
@@ -152,8 +162,36 @@ def _mapped(given: dict[str, Any], errors: list[str]) -> list[str]:
     return argv
 
 
+_JSON_VALUED = frozenset({"--allowed-origins", "--allowed-methods", "--allowed-headers"})
+
+
+def _worker_flag_names() -> set[str]:
+    # vLLM is imported only for a config file that names a flag outside TACO-LLM's table.
+    from engine_worker.args import build_parser as build_worker_parser
+
+    return set(build_worker_parser()._option_string_actions)
+
+
+def _with_config_file(argv: list[str]) -> list[str]:
+    serve_flags = set(build_parser()._option_string_actions)
+    worker_flags: set[str] = set()
+
+    def is_flag(name: str) -> bool:
+        if name in serve_flags:
+            return True
+        if not worker_flags:
+            worker_flags.update(_worker_flag_names())
+        return name in worker_flags
+
+    repeated = frozenset(f.name for f in FLAGS if f.arity == "append")
+    try:
+        return expand_config(argv, is_flag, repeated, _JSON_VALUED)
+    except ConfigFileError as error:
+        raise ServeArgsError(str(error)) from None
+
+
 def parse(argv: Sequence[str]) -> ServeArgs:
-    argv = list(argv)
+    argv = _with_config_file(list(argv))
     # The model comes first (`serve <model_tag> [options]`); finding it later would be ambiguous with
     # the values of vLLM flags this parser does not know.
     model = [argv.pop(0)] if argv and not argv[0].startswith("-") else []
@@ -175,6 +213,11 @@ def parse(argv: Sequence[str]) -> ServeArgs:
         elif flag.kind in ("refuse", "pending"):
             errors.append(f"{name}: {flag.note}")
     worker_argv += _mapped(given, errors)
+    # One key guards both hops: HTTP clients to the gateway, and the gateway to the worker.
+    api_key = str(given.get("--api-key") or os.environ.get("VLLM_API_KEY") or "") or None
+    if api_key:
+        worker_argv += ["--api-key", api_key]
+        gateway_argv += ["--engine-api-key", api_key]
     if errors:
         raise ServeArgsError("\n".join(errors))
     host = str(given.get("--host", "127.0.0.1"))
@@ -185,4 +228,5 @@ def parse(argv: Sequence[str]) -> ServeArgs:
         if not 0 < number < 65536:
             raise ServeArgsError(f"{flag_name} {number} is not a TCP port")
     return ServeArgs(gateway_argv, worker_argv + extra, namespace.grpc_host, namespace.grpc_port, host, port,
-                     namespace.ready_timeout, warnings)
+                     namespace.ready_timeout, warnings, api_key, given.get("--ssl-certfile"),
+                     given.get("--ssl-keyfile"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -41,13 +42,27 @@ def probe_host(host: str) -> str:
     return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
 
 
-def _ready_model(base_url: str) -> str | None:
+def probe_ssl_context(certfile: str, keyfile: str | None) -> ssl.SSLContext:
+    """TLS for probing our own gateway child on this host: its certificate is not checked (it need not
+    name the probe address), and it is shown as the client certificate in case the gateway asks for one
+    (--ssl-cert-reqs), which works when the server's certificate chains to --ssl-ca-certs."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.load_cert_chain(certfile, keyfile)
+    return context
+
+
+def _ready_model(base_url: str, api_key: str | None = None,
+                 ssl_context: ssl.SSLContext | None = None) -> str | None:
     """The first served model once the gateway answers /health with 200, else None."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        with urllib.request.urlopen(f"{base_url}/health", timeout=2) as reply:
+        with urllib.request.urlopen(f"{base_url}/health", timeout=2, context=ssl_context) as reply:
             if reply.status != 200:
                 return None
-        with urllib.request.urlopen(f"{base_url}/v1/models", timeout=5) as reply:
+        models_request = urllib.request.Request(f"{base_url}/v1/models", headers=headers)
+        with urllib.request.urlopen(models_request, timeout=5, context=ssl_context) as reply:
             models = json.load(reply)["data"]
             return str(models[0]["id"]) if models else None
     except (OSError, urllib.error.URLError, ValueError, KeyError):
@@ -88,7 +103,8 @@ class Supervisor:
                     child.process.wait()
 
 
-def serve(worker_argv: list[str], gateway_argv: list[str], base_url: str, ready_timeout: float) -> int:
+def serve(worker_argv: list[str], gateway_argv: list[str], base_url: str, ready_timeout: float,
+          api_key: str | None = None, ssl_context: ssl.SSLContext | None = None) -> int:
     python = sys.executable
     worker = _start("engine worker", [python, "-m", "engine_worker", *worker_argv])
     gateway = _start("gateway", [python, "-m", "gateway", *gateway_argv])
@@ -108,7 +124,7 @@ def serve(worker_argv: list[str], gateway_argv: list[str], base_url: str, ready_
                       flush=True)
                 break
             if not ready:
-                model = _ready_model(base_url)
+                model = _ready_model(base_url, api_key, ssl_context)
                 if model is not None:
                     ready = True
                     print(f"taco_llm: ready in {time.monotonic() - started:.1f}s, serving {model!r} at "

@@ -79,7 +79,7 @@ def test_noop_flags_warn_once_each() -> None:
     ("argv", "flag"),
     [(["--prompt-adapters", "a=b"], "--prompt-adapters"), (["--enable-prompt-adapter"], "--enable-prompt-adapter"),
      (["--device", "neuron"], "--device neuron"), (["--enable-prefix-cache-offload"], "--enable-prefix-cache-offload"),
-     (["--lookahead-cache-config-dir", "/tmp"], "--lookahead-cache-config-dir"), (["--api-key", "k"], "--api-key"),
+     (["--lookahead-cache-config-dir", "/tmp"], "--lookahead-cache-config-dir"),
      (["--spec-decoding-acceptance-method", "typical_acceptance_sampler"], "--spec-decoding-acceptance-method"),
      (["--num-speculative-tokens", "x", "--speculative-model", "[ngram]"], "--num-speculative-tokens")],
 )
