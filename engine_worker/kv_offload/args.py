@@ -1,0 +1,74 @@
+"""The worker's prefix-KV offload flags, and the vLLM kv_transfer_config they turn into."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from vllm.config import KVTransferConfig
+
+from .connector import DEFAULT_LOOKUP_TIMEOUT
+
+logger = logging.getLogger(__name__)
+
+CONNECTOR_CLASS = "TacoOffloadConnector"
+CONNECTOR_MODULE = "engine_worker.kv_offload.connector"
+
+
+def add_offload_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("cache service and prefix-KV offload")
+    group.add_argument("--cache-service", default=None, metavar="HOST:PORT",
+                       help="the cache service (taco_llm cache-service) this worker shares prefix-KV blocks "
+                       "and the lookahead index through")
+    group.add_argument("--enable-prefix-cache-offload", action="store_true",
+                       help="keep prefix-KV blocks in the cache service's host memory and load them back on a "
+                       "later hit instead of recomputing them (needs --cache-service)")
+    group.add_argument("--apc-offload-not-lazy", action="store_true",
+                       help="load offloaded blocks completely before the forward pass, instead of layer by "
+                       "layer while it runs")
+    group.add_argument("--apc-offload-gpu-evictor-limit", type=int, default=None,
+                       help="accepted for TACO-LLM compatibility; vLLM's V1 engine has no separate evictor "
+                       "table to bound (see docs/flags.md)")
+    group.add_argument("--apc-offload-lookup-timeout", type=float, default=DEFAULT_LOOKUP_TIMEOUT,
+                       help="seconds the scheduler waits for the cache service's answer on a prefix-cache "
+                       "miss before recomputing (default %(default)s)")
+
+
+def _check_address(address: str, parser: argparse.ArgumentParser) -> None:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        parser.error(f"--cache-service {address!r}: expected HOST:PORT")
+
+
+def apply_offload_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str | None:
+    """Checks the flags; with offload on, sets vLLM's kv_transfer_config. Returns --cache-service."""
+    address: str | None = args.cache_service
+    if address is not None:
+        _check_address(address, parser)
+    if args.apc_offload_gpu_evictor_limit is not None:
+        logger.warning("--apc-offload-gpu-evictor-limit has no effect: vLLM's V1 engine keeps every free "
+                       "block in one free queue, with no separate evictor table to bound")
+    if not args.enable_prefix_cache_offload:
+        if args.apc_offload_not_lazy:
+            parser.error("--apc-offload-not-lazy needs --enable-prefix-cache-offload")
+        return address
+    if address is None:
+        parser.error("--enable-prefix-cache-offload needs --cache-service HOST:PORT (taco_llm serve starts "
+                     "one itself)")
+    if getattr(args, "kv_transfer_config", None) is not None:
+        parser.error("--enable-prefix-cache-offload sets vLLM's KV connector; drop --kv-transfer-config")
+    if args.apc_offload_lookup_timeout <= 0:
+        parser.error(f"--apc-offload-lookup-timeout must be positive, got {args.apc_offload_lookup_timeout}")
+    args.kv_transfer_config = KVTransferConfig(
+        kv_connector=CONNECTOR_CLASS,
+        kv_connector_module_path=CONNECTOR_MODULE,
+        kv_role="kv_both",
+        # A block that fails to load (service gone, evicted, corrupt) is recomputed, never an error.
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={
+            "cache_service": address,
+            "lazy": not args.apc_offload_not_lazy,
+            "lookup_timeout": args.apc_offload_lookup_timeout,
+        },
+    )
+    return address
