@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.platforms import current_platform
 from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+from . import frontend_args
+from .frontend_args import FrontendOptions
 
 # On CPU vLLM sizes the KV cache from 92% of the NUMA node's memory and fails when that much is not
 # free; a fixed size starts reliably. Compiling takes ~110 s there and once gave bf16 nonsense, so the
@@ -23,6 +27,7 @@ class WorkerArgs:
     uses_default_model: bool
     log_stats_interval: float
     api_key: str | None = None
+    frontend: FrontendOptions | None = None
 
 
 def build_parser() -> FlexibleArgumentParser:
@@ -40,6 +45,7 @@ def build_parser() -> FlexibleArgumentParser:
                         "but the health service's")
     parser.add_argument("--log-stats-interval", type=float, default=10.0,
                         help="seconds between engine statistics log lines (unless --disable-log-stats)")
+    frontend_args.add_cli_args(parser)
     parser = AsyncEngineArgs.add_cli_args(parser)
     if current_platform.is_cpu():
         parser.set_defaults(enforce_eager=True, kv_cache_memory_bytes=CPU_DEFAULT_KV_CACHE_BYTES)
@@ -59,7 +65,19 @@ def parse(argv: Sequence[str]) -> WorkerArgs:
         parser.error(f"--grpc-port {args.grpc_port} is not a TCP port")
     if args.log_stats_interval <= 0:
         parser.error(f"--log-stats-interval must be positive, got {args.log_stats_interval}")
+    frontend = frontend_args.from_cli_args(parser, args, _tokenizer_source(args, explicit_model))
     engine = AsyncEngineArgs.from_cli_args(args)
     return WorkerArgs(engine, args.grpc_host, args.grpc_port, not explicit_model, args.log_stats_interval,
-                      args.api_key or None)
+                      args.api_key or None, frontend=frontend)
+
+
+def _tokenizer_source(args: argparse.Namespace, explicit_model: bool) -> str:
+    """Where the tokenizer loads from, for checking --tool-call-parser before the engine starts."""
+    if not args.tool_call_parser:
+        return ""
+    if not explicit_model:
+        from .default_model import ensure_default_model
+
+        return str(ensure_default_model())
+    return str(args.tokenizer or args.model)
 

@@ -7,6 +7,8 @@ from vllm.outputs import CompletionOutput, RequestOutput
 
 from protos import engine_pb2
 
+from .tools import ChoiceToolParser, ToolRequest
+
 
 def _logprobs(output: CompletionOutput, top_n: int) -> list[engine_pb2.TokenLogprob]:
     if not output.logprobs:
@@ -48,17 +50,27 @@ def choice_delta(output: CompletionOutput, top_n: int) -> engine_pb2.ChoiceDelta
 class ResponseBuilder:
     """Turns one request's stream of RequestOutput deltas into GenerateResponse messages."""
 
-    def __init__(self, request_id: str, top_logprobs: int):
+    def __init__(self, request_id: str, top_logprobs: int, tools: ToolRequest | None = None):
         self.request_id = request_id
         self.top_logprobs = top_logprobs
         self.completion_tokens = 0
         self.first = True
+        # With tool calling, each choice's text goes through its own (stateful) vLLM parser.
+        self.tools = tools
+        self.tool_parsers: dict[int, ChoiceToolParser] = {}
 
     def build(self, output: RequestOutput) -> engine_pb2.GenerateResponse:
-        message = engine_pb2.GenerateResponse(request_id=self.request_id)
+        message = engine_pb2.GenerateResponse(request_id=self.request_id, tool_calls_parsed=self.tools is not None)
+        prompt_ids = list(output.prompt_token_ids) if output.prompt_token_ids is not None else None
         for choice in output.outputs:
             self.completion_tokens += len(choice.token_ids)
-            message.choices.append(choice_delta(choice, self.top_logprobs))
+            delta = choice_delta(choice, self.top_logprobs)
+            if self.tools is not None:
+                if choice.index not in self.tool_parsers:
+                    self.tool_parsers[choice.index] = self.tools.choice_parser()
+                parser = self.tool_parsers[choice.index]
+                parser.delta(delta, prompt_ids, finished=choice.finish_reason is not None)
+            message.choices.append(delta)
         if self.first and output.prompt_token_ids is not None:
             message.prompt_token_ids.ids.extend(output.prompt_token_ids)
             self.first = False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from vllm.inputs import tokens_input
@@ -13,6 +14,18 @@ from vllm.renderers.params import merge_kwargs
 from protos import engine_pb2
 
 from .sampling import InvalidField
+
+
+@dataclass(frozen=True)
+class ChatDefaults:
+    """The server-wide chat settings: --chat-template (its text) and --trust-request-chat-template."""
+
+    chat_template: str | None = None
+    trust_request_chat_template: bool = False
+
+
+_UNTRUSTED_TEMPLATE = ("Chat template is passed with request, but --trust-request-chat-template is not set. "
+                       "Refused request with untrusted chat template.")
 
 
 def _message_dict(message: engine_pb2.ChatMessage) -> dict[str, Any]:
@@ -48,7 +61,17 @@ def _json_field(text: str, field: str, kind: type) -> Any:
     return value
 
 
-def _chat_params(chat: engine_pb2.ChatInput) -> ChatParams:
+def chat_messages(chat: engine_pb2.ChatInput) -> list[dict[str, Any]]:
+    if not chat.messages:
+        raise InvalidField("chat.messages", "messages must not be empty")
+    return [_message_dict(m) for m in chat.messages]
+
+
+def chat_tools(chat: engine_pb2.ChatInput) -> list[Any] | None:
+    return _json_field(chat.tools_json, "chat.tools", list)  # type: ignore[no-any-return]
+
+
+def _chat_params(chat: engine_pb2.ChatInput, defaults: ChatDefaults) -> ChatParams:
     for i, message in enumerate(chat.messages):
         if not message.role:
             raise InvalidField(f"chat.messages[{i}].role", f"messages[{i}] has no role")
@@ -60,9 +83,12 @@ def _chat_params(chat: engine_pb2.ChatInput) -> ChatParams:
     for reserved in ("chat_template", "tokenize"):
         if reserved in user_kwargs:
             raise InvalidField("chat.chat_template_kwargs", f"chat_template_kwargs may not set {reserved!r}")
-    tools = _json_field(chat.tools_json, "chat.tools", list)
+    if chat.HasField("chat_template") and not defaults.trust_request_chat_template:
+        # As vLLM's server: a request's own template runs only where the operator allows it.
+        raise InvalidField("chat.chat_template", _UNTRUSTED_TEMPLATE)
+    tools = chat_tools(chat)
     return ChatParams(
-        chat_template=chat.chat_template if chat.HasField("chat_template") else None,
+        chat_template=chat.chat_template if chat.HasField("chat_template") else defaults.chat_template,
         chat_template_kwargs=merge_kwargs(
             dict(add_generation_prompt=add_generation_prompt,
                  continue_final_message=chat.continue_final_message, tools=tools, tokenize=False),
@@ -71,16 +97,14 @@ def _chat_params(chat: engine_pb2.ChatInput) -> ChatParams:
     )
 
 
-async def render_chat(renderer: BaseRenderer, chat: engine_pb2.ChatInput,
-                      add_special_tokens: bool | None) -> dict[str, Any]:
-    if not chat.messages:
-        raise InvalidField("chat.messages", "messages must not be empty")
+async def render_chat(renderer: BaseRenderer, chat: engine_pb2.ChatInput, add_special_tokens: bool | None,
+                      defaults: ChatDefaults) -> dict[str, Any]:
+    messages = chat_messages(chat)
     tok_params = renderer.default_chat_tok_params
     if add_special_tokens is not None:
         tok_params = tok_params.with_kwargs(add_special_tokens=add_special_tokens)
-    messages = [_message_dict(m) for m in chat.messages]
     _, (engine_input,) = await renderer.render_chat_async(
-        [messages], _chat_params(chat), tok_params  # type: ignore[list-item]
+        [messages], _chat_params(chat, defaults), tok_params  # type: ignore[list-item]
     )
     return engine_input  # type: ignore[return-value]
 

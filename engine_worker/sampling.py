@@ -45,7 +45,7 @@ def _check_float(name: str, value: float) -> None:
         raise InvalidField(name, f"{name} must be in {bracket}{low}, {high}], got {value}")
 
 
-def _structured(so: engine_pb2.StructuredOutput) -> StructuredOutputsParams | None:
+def structured(so: engine_pb2.StructuredOutput) -> StructuredOutputsParams | None:
     kind = so.WhichOneof("kind")
     if kind is None:
         return None
@@ -73,8 +73,10 @@ def to_vllm(
     limits: Limits,
     prompt_len: int,
     defaults: dict[str, Any],
+    overrides: dict[str, Any] | None = None,
 ) -> SamplingParams:
-    """Builds vLLM's SamplingParams. Fields left unset take the model's generation defaults."""
+    """Builds vLLM's SamplingParams. Fields left unset take the model's generation defaults;
+    `overrides` (a forced tool call's constraint, say) win over the request's own fields."""
     kwargs: dict[str, Any] = dict(defaults)
     for name in _FLOAT_RANGES:
         if params.HasField(name):
@@ -130,9 +132,10 @@ def to_vllm(
         include_stop_str_in_output=params.include_stop_str_in_output,
         ignore_eos=params.ignore_eos,
         logit_bias=dict(params.logit_bias) or None,
-        structured_outputs=_structured(params.structured_output),
+        structured_outputs=structured(params.structured_output),
         output_kind=RequestOutputKind.DELTA,
     )
+    kwargs.update(overrides or {})
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as error:

@@ -38,7 +38,7 @@ async def serve(args: WorkerArgs, stop: asyncio.Event) -> int:
     engine = start_engine(args.engine)
     served = list(args.engine.served_model_name or [args.engine.model])
     engine_died = asyncio.Event()
-    service = EngineService(engine, served, on_engine_dead=engine_died.set)
+    service = EngineService(engine, served, on_engine_dead=engine_died.set, frontend=args.frontend)
 
     server = grpc.aio.server(options=[
         ("grpc.max_send_message_length", GRPC_MESSAGE_LIMIT),

@@ -11,6 +11,7 @@ from typing import Any, NoReturn
 import grpc
 import vllm
 from vllm.exceptions import VLLMClientError, VLLMValidationError
+from vllm.lora.request import LoRARequest
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -19,8 +20,11 @@ from taco_llm.version import package_version
 
 from . import prompts
 from .engine import LoadTracker
+from .frontend_args import FrontendOptions
+from .lora import LoraRegistry
 from .outputs import ResponseBuilder
-from .sampling import InvalidField, Limits, to_vllm
+from .sampling import InvalidField, Limits, structured, to_vllm
+from .tools import ToolCalling, tool_parser_class
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +48,14 @@ def _is_context_overflow(error: VLLMValidationError) -> bool:
 
 
 class EngineService(engine_pb2_grpc.EngineServicer):
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str], on_engine_dead: Callable[[], None]):
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], on_engine_dead: Callable[[], None],
+                 frontend: FrontendOptions | None = None):
+        frontend = frontend or FrontendOptions()
         self.engine = engine
-        self.served_model_names = served_model_names
         self.on_engine_dead = on_engine_dead
+        self.loras = LoraRegistry(frontend.lora_modules, served_model_names[0])
+        # The base model's names, then one per LoRA adapter: every name a request may use.
+        self.served_model_names = served_model_names + self.loras.names
         self.model_config = engine.model_config
         self.renderer = engine.renderer
         self.tokenizer = engine.get_tokenizer()
@@ -61,12 +69,20 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         self.structured_backend = engine.vllm_config.structured_outputs_config.backend
         self.running: set[str] = set()
         self.created = int(time.time())
+        self.chat_defaults = prompts.ChatDefaults(frontend.chat_template, frontend.trust_request_chat_template)
+        self.tool_calling = ToolCalling(
+            tool_parser_class(frontend.tool_call_parser, frontend.enable_auto_tool_choice, self.tokenizer,
+                              self.model_config.model),
+            frontend.enable_auto_tool_choice, self.tokenizer, self.model_config, frontend.tool_call_parser or "",
+        )
 
-    async def _check_model(self, model: str, context: grpc.aio.ServicerContext) -> None:
+    async def _check_model(self, model: str, context: grpc.aio.ServicerContext) -> LoRARequest | None:
+        """The LoRA adapter the model name asks for (None: the base model)."""
         if model and model not in self.served_model_names:
             await _abort(context, grpc.StatusCode.NOT_FOUND,
                          f"The model `{model}` does not exist; this worker serves "
                          f"{', '.join(self.served_model_names)}", "model")
+        return self.loras.get(model)
 
     async def _render(self, request: engine_pb2.GenerateRequest | engine_pb2.TokenizeRequest) -> dict[str, Any]:
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else None
@@ -75,7 +91,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             raise InvalidField("input", "one of text, token_ids or chat is required")
         try:
             if kind == "chat":
-                return await prompts.render_chat(self.renderer, request.chat, add_special)
+                return await prompts.render_chat(self.renderer, request.chat, add_special, self.chat_defaults)
             if kind == "text":
                 return await prompts.render_text(self.renderer, self.model_config, request.text, add_special)
             assert isinstance(request, engine_pb2.GenerateRequest)
@@ -96,7 +112,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
 
     async def Generate(self, request: engine_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.GenerateResponse]:
-        await self._check_model(request.model, context)
+        lora = await self._check_model(request.model, context)
         request_id = request.request_id or f"taco-{uuid.uuid4().hex}"
         kind = request.WhichOneof("input") or "input"
         so = request.sampling.structured_output
@@ -107,10 +123,15 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                     f"this worker's structured-output backend is {self.structured_backend!r}; vLLM's V1 engine "
                     f"cannot switch it per request (asked for {so.backend!r})",
                 )
+            tools = None
+            if kind == "chat":
+                tools = self.tool_calling.prepare(prompts.chat_messages(request.chat), prompts.chat_tools(request.chat),
+                                                  request.chat, structured(so))
             engine_input = await self._render(request)
             prompt_len = len(engine_input["prompt_token_ids"])
             self._check_length(prompt_len, kind)
-            params = to_vllm(request.sampling, self.limits, prompt_len, self.sampling_defaults)
+            params = to_vllm(request.sampling, self.limits, prompt_len, self.sampling_defaults,
+                             tools.sampling_overrides() if tools is not None else None)
         except InvalidField as error:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error), error.field)
         except TooLong as error:
@@ -119,14 +140,14 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         if request_id in self.running:
             await _abort(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already running",
                          "request_id")
-        builder = ResponseBuilder(request_id, params.logprobs or 0)
+        builder = ResponseBuilder(request_id, params.logprobs or 0, tools)
         self.running.add(request_id)
         try:
             # Cancelling this call (client gone, deadline passed) cancels the generator, and vLLM's
             # generate() aborts the request in the engine on the way out.
             async for output in self.engine.generate(
                 engine_input,  # type: ignore[arg-type]  # a rendered EngineInput dict
-                params, request_id, priority=request.priority,
+                params, request_id, lora_request=lora, priority=request.priority,
             ):
                 yield builder.build(output)
         except VLLMValidationError as error:
@@ -159,11 +180,13 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             vocab_size=self.limits.vocab_size,
             eos_token_ids=eos_ids,
             dtype=str(self.model_config.dtype).removeprefix("torch."),
-            has_chat_template=bool(getattr(self.tokenizer, "chat_template", None)),
+            has_chat_template=bool(self.chat_defaults.chat_template or getattr(self.tokenizer, "chat_template", None)),
             max_logprobs=self.limits.max_logprobs,
             engine_version=vllm.__version__,
             worker_version=package_version(),
             created=self.created,
+            lora_adapters=self.loras.adapters,
+            tool_call_parser=self.tool_calling.parser_name,
         )
         if self.tokenizer.bos_token_id is not None:
             info.bos_token_id = self.tokenizer.bos_token_id

@@ -131,11 +131,13 @@ def create_app(settings: GatewaySettings, pool: EnginePool | None = None) -> Fas
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        data = [
-            {"id": name, "object": "model", "created": info.created, "owned_by": "taco-llm",
-             "root": info.model_path, "parent": None, "max_model_len": info.max_model_len}
-            for name, info in pool.models()
-        ]
+        data = []
+        for name, info in pool.models():
+            # A LoRA adapter is a model of its own, whose parent is the base model it adapts (as in vLLM).
+            lora = next((a for a in info.lora_adapters if a.name == name), None)
+            data.append({"id": name, "object": "model", "created": info.created, "owned_by": "taco-llm",
+                         "root": lora.path if lora else info.model_path,
+                         "parent": lora.base_model_name if lora else None, "max_model_len": info.max_model_len})
         if not data:
             raise pool.unavailable()
         return {"object": "list", "data": data}

@@ -86,9 +86,13 @@ class ChoiceState:
     logprobs: list[engine_pb2.TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # The worker's whole-text parse, where it parsed tool calls.
+    parsed: engine_pb2.ParsedChoice | None = None
 
     def add(self, delta: engine_pb2.ChoiceDelta) -> None:
         self.text += delta.text
+        if delta.HasField("parsed"):
+            self.parsed = delta.parsed
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
         if delta.finish_reason:

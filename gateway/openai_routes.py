@@ -63,6 +63,45 @@ def _chunk(kind: str, request_id: str, created: int, model: str, choices: list[d
     return _sse(payload)
 
 
+def _tool_call(call: engine_pb2.ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": call.type or "function",
+            "function": {"name": call.function_name, "arguments": call.function_arguments}}
+
+
+def _tool_call_delta(call: engine_pb2.ToolCallDelta) -> dict[str, Any]:
+    """As OpenAI streams a call: id, type and name on its first fragment, argument text on each."""
+    out: dict[str, Any] = {"index": call.index}
+    if call.id:
+        out["id"] = call.id
+    if call.type:
+        out["type"] = call.type
+    function: dict[str, Any] = {"arguments": call.function_arguments}
+    if call.function_name:
+        function["name"] = call.function_name
+    out["function"] = function
+    return out
+
+
+def _chat_delta(message: engine_pb2.GenerateResponse, delta: engine_pb2.ChoiceDelta) -> dict[str, Any]:
+    if not message.tool_calls_parsed:
+        return {"content": delta.text} if delta.text else {}
+    out: dict[str, Any] = {}
+    if delta.HasField("content"):
+        out["content"] = delta.content
+    if delta.tool_calls:
+        out["tool_calls"] = [_tool_call_delta(call) for call in delta.tool_calls]
+    return out
+
+
+def _chat_message(role: str, c: ChoiceState) -> tuple[dict[str, Any], str | None]:
+    """The reply message and its finish reason; where the worker parsed tool calls, its parse."""
+    if c.parsed is None:
+        return {"role": role, "content": c.text, "tool_calls": []}, c.finish_reason
+    content = c.parsed.content if c.parsed.HasField("content") else None
+    message = {"role": role, "content": content, "tool_calls": [_tool_call(t) for t in c.parsed.tool_calls]}
+    return message, c.parsed.finish_reason or c.finish_reason
+
+
 async def _until_disconnect(request: Request) -> None:
     while True:
         message = await request.receive()
@@ -144,11 +183,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         result = await collect(stream, n)
         choices = []
         for c in result.choices:
+            message, finish_reason = _chat_message(role, c)
             choice = {
                 "index": c.index,
-                "message": {"role": role, "content": c.text, "tool_calls": []},
+                "message": message,
                 "logprobs": chat_logprobs(c.logprobs, text_of) if body.logprobs else None,
-                "finish_reason": c.finish_reason,
+                "finish_reason": finish_reason,
                 "stop_reason": c.stop_reason,
             }
             if body.return_token_ids:
@@ -178,11 +218,12 @@ async def _chat_chunks(stream: EngineStream, request_id: str, model: str, create
             choices = []
             for delta in message.choices:
                 completion_tokens += len(delta.token_ids)
-                if not delta.text and not delta.finish_reason and not delta.logprobs:
+                content = _chat_delta(message, delta)
+                if not content and not delta.finish_reason and not delta.logprobs:
                     continue
                 choices.append({
                     "index": delta.index,
-                    "delta": {"content": delta.text} if delta.text else {},
+                    "delta": content,
                     "logprobs": chat_logprobs(list(delta.logprobs), text_of) if delta.logprobs else None,
                     "finish_reason": delta.finish_reason or None,
                     **({"stop_reason": stop_reason(delta)} if delta.finish_reason else {}),

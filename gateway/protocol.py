@@ -117,6 +117,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     echo: bool | None = False

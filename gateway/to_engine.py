@@ -17,7 +17,9 @@ from .protocol import (
 )
 
 # The worker names proto fields; clients sent these. Keyed by the proto field name.
-CHAT_PARAMS = {"max_tokens": "max_completion_tokens", "logprobs": "top_logprobs", "chat": "messages"}
+CHAT_PARAMS = {"max_tokens": "max_completion_tokens", "logprobs": "top_logprobs", "chat": "messages",
+               "chat.messages": "messages", "chat.tools": "tools", "chat.chat_template": "chat_template",
+               "chat.chat_template_kwargs": "chat_template_kwargs"}
 COMPLETION_PARAMS = {"text": "prompt", "token_ids": "prompt"}
 
 
@@ -144,13 +146,19 @@ def chat_input(
     chat_template: str | None,
     chat_template_kwargs: dict[str, Any] | None,
     tools: list[dict[str, Any]] | None = None,
+    tool_choice: str | dict[str, Any] | None = None,
+    parallel_tool_calls: bool | None = None,
 ) -> engine_pb2.ChatInput:
     chat = engine_pb2.ChatInput(
         messages=chat_messages(messages),
         continue_final_message=bool(continue_final_message),
         chat_template_kwargs_json=json.dumps(chat_template_kwargs) if chat_template_kwargs else "",
-        tools_json=json.dumps(tools) if tools else "",
+        # An empty list is passed on: the worker refuses it by name, as vLLM does.
+        tools_json=json.dumps(tools) if tools is not None else "",
+        tool_choice_json=json.dumps(tool_choice) if tool_choice is not None else "",
     )
+    if parallel_tool_calls is not None:
+        chat.parallel_tool_calls = parallel_tool_calls
     if add_generation_prompt is not None:
         chat.add_generation_prompt = add_generation_prompt
     if chat_template is not None:
@@ -182,6 +190,8 @@ def chat_request(body: ChatCompletionRequest, request_id: str) -> engine_pb2.Gen
             chat_template=body.chat_template,
             chat_template_kwargs=body.chat_template_kwargs,
             tools=body.tools,
+            tool_choice=body.tool_choice,
+            parallel_tool_calls=body.parallel_tool_calls,
         ),
         sampling=sampling_params(body, max_tokens, logprobs),
     )

@@ -49,20 +49,24 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., content_parts: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ..., name: _Optional[str] = ..., tool_call_id: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
 
 class ChatInput(_message.Message):
-    __slots__ = ("messages", "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs_json", "tools_json")
+    __slots__ = ("messages", "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs_json", "tools_json", "tool_choice_json", "parallel_tool_calls")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_JSON_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     add_generation_prompt: bool
     continue_final_message: bool
     chat_template: str
     chat_template_kwargs_json: str
     tools_json: str
-    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template: _Optional[str] = ..., chat_template_kwargs_json: _Optional[str] = ..., tools_json: _Optional[str] = ...) -> None: ...
+    tool_choice_json: str
+    parallel_tool_calls: bool
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template: _Optional[str] = ..., chat_template_kwargs_json: _Optional[str] = ..., tools_json: _Optional[str] = ..., tool_choice_json: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
 
 class ChoiceList(_message.Message):
     __slots__ = ("choices",)
@@ -183,8 +187,32 @@ class TokenLogprob(_message.Message):
     top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
     def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
+class ToolCallDelta(_message.Message):
+    __slots__ = ("index", "id", "type", "function_name", "function_arguments")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_NAME_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    id: str
+    type: str
+    function_name: str
+    function_arguments: str
+    def __init__(self, index: _Optional[int] = ..., id: _Optional[str] = ..., type: _Optional[str] = ..., function_name: _Optional[str] = ..., function_arguments: _Optional[str] = ...) -> None: ...
+
+class ParsedChoice(_message.Message):
+    __slots__ = ("content", "tool_calls", "finish_reason")
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    content: str
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    finish_reason: str
+    def __init__(self, content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+
 class ChoiceDelta(_message.Message):
-    __slots__ = ("index", "text", "token_ids", "logprobs", "finish_reason", "stop_string", "stop_token_id")
+    __slots__ = ("index", "text", "token_ids", "logprobs", "finish_reason", "stop_string", "stop_token_id", "content", "tool_calls", "parsed")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +220,9 @@ class ChoiceDelta(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    PARSED_FIELD_NUMBER: _ClassVar[int]
     index: int
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -199,7 +230,10 @@ class ChoiceDelta(_message.Message):
     finish_reason: str
     stop_string: str
     stop_token_id: int
-    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
+    content: str
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCallDelta]
+    parsed: ParsedChoice
+    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., parsed: _Optional[_Union[ParsedChoice, _Mapping]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
@@ -212,16 +246,18 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "choices", "usage", "prompt_token_ids")
+    __slots__ = ("request_id", "choices", "usage", "prompt_token_ids", "tool_calls_parsed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CHOICES_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_PARSED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     choices: _containers.RepeatedCompositeFieldContainer[ChoiceDelta]
     usage: Usage
     prompt_token_ids: TokenIds
-    def __init__(self, request_id: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[ChoiceDelta, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
+    tool_calls_parsed: bool
+    def __init__(self, request_id: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[ChoiceDelta, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., tool_calls_parsed: _Optional[bool] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -239,8 +275,18 @@ class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class LoraAdapter(_message.Message):
+    __slots__ = ("name", "path", "base_model_name")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    base_model_name: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., base_model_name: _Optional[str] = ...) -> None: ...
+
 class ModelInfo(_message.Message):
-    __slots__ = ("served_model_names", "model_path", "tokenizer", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "dtype", "has_chat_template", "max_logprobs", "engine_version", "worker_version", "created")
+    __slots__ = ("served_model_names", "model_path", "tokenizer", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "dtype", "has_chat_template", "max_logprobs", "engine_version", "worker_version", "created", "lora_adapters", "tool_call_parser")
     SERVED_MODEL_NAMES_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
@@ -254,6 +300,8 @@ class ModelInfo(_message.Message):
     ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKER_VERSION_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_PARSER_FIELD_NUMBER: _ClassVar[int]
     served_model_names: _containers.RepeatedScalarFieldContainer[str]
     model_path: str
     tokenizer: str
@@ -267,7 +315,9 @@ class ModelInfo(_message.Message):
     engine_version: str
     worker_version: str
     created: int
-    def __init__(self, served_model_names: _Optional[_Iterable[str]] = ..., model_path: _Optional[str] = ..., tokenizer: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., dtype: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., max_logprobs: _Optional[int] = ..., engine_version: _Optional[str] = ..., worker_version: _Optional[str] = ..., created: _Optional[int] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
+    tool_call_parser: str
+    def __init__(self, served_model_names: _Optional[_Iterable[str]] = ..., model_path: _Optional[str] = ..., tokenizer: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., dtype: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., max_logprobs: _Optional[int] = ..., engine_version: _Optional[str] = ..., worker_version: _Optional[str] = ..., created: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., tool_call_parser: _Optional[str] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()

@@ -55,3 +55,51 @@ def engine(stack: Stack) -> Iterator[engine_pb2_grpc.EngineStub]:
     channel = grpc.insecure_channel(stack.grpc_address)
     yield engine_pb2_grpc.EngineStub(channel)
     channel.close()
+
+
+# Tool calling, LoRA and a server-wide chat template share one more engine: a worker with all of them.
+LORA_NAME = "tiny-lora"
+TEMPLATE_MARKER = "[taco-template]"
+# Visibly not the model's own template (the marker), and it shows the tools to the model, Hermes style.
+FRONTEND_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nYou may call these functions, each as <tool_call>{\"name\": ..., "
+    "\"arguments\": ...}</tool_call>:\n<tools>{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>"
+    "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n" + TEMPLATE_MARKER
+    + " {{ m.content or '' }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% endif %}"
+)
+
+
+def build_tiny_lora(model_dir: Path, out: Path) -> Path:
+    """A rank-8 LoRA adapter for the default model, made with peft."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # init_lora_weights=False: B is random, not zero as in training, so the adapter changes the output.
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    get_peft_model(base, config).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def frontend_stack(model_dir: Path, log_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    work = tmp_path_factory.mktemp("frontend")
+    adapter = build_tiny_lora(model_dir, work / LORA_NAME)
+    template = work / "template.jinja"
+    template.write_text(FRONTEND_TEMPLATE)
+    running = start_stack("serve-frontend", [
+        *ENGINE_FLAGS, "--enable-lora", "--max-lora-rank", "8", "--max-loras", "1",
+        "--lora-modules", f"{LORA_NAME}={adapter}", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        "--chat-template", str(template), "--trust-request-chat-template",
+    ], log_dir)
+    yield running
+    code = running.process.stop()
+    assert code == 0, f"taco_llm serve exited with {code} on SIGTERM:\n{running.process.tail()}"
+
+
+@pytest.fixture(scope="session")
+def frontend_client(frontend_stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{frontend_stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
