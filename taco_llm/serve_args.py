@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -165,23 +168,27 @@ def _mapped(given: dict[str, Any], errors: list[str]) -> list[str]:
 _JSON_VALUED = frozenset({"--allowed-origins", "--allowed-methods", "--allowed-headers"})
 
 
-def _worker_flag_names() -> set[str]:
-    # vLLM is imported only for a config file that names a flag outside TACO-LLM's table.
-    from engine_worker.args import build_parser as build_worker_parser
+_LIST_WORKER_FLAGS = ("import json; from engine_worker.args import build_parser; "
+                      "print(json.dumps(sorted(build_parser()._option_string_actions)))")
 
-    return set(build_worker_parser()._option_string_actions)
+
+@functools.cache
+def _worker_flag_names() -> frozenset[str]:
+    """The worker's flags (vLLM's), for a config file that names one outside TACO-LLM's table.
+
+    Asked of a short-lived child: importing vLLM here would keep ~650 MB in the supervisor for good.
+    """
+    run = subprocess.run([sys.executable, "-c", _LIST_WORKER_FLAGS], capture_output=True, text=True)
+    if run.returncode != 0:
+        raise ServeArgsError(f"--config: cannot list the engine worker's flags: {run.stderr.strip()[-500:]}")
+    return frozenset(json.loads(run.stdout.strip().splitlines()[-1]))
 
 
 def _with_config_file(argv: list[str]) -> list[str]:
     serve_flags = set(build_parser()._option_string_actions)
-    worker_flags: set[str] = set()
 
     def is_flag(name: str) -> bool:
-        if name in serve_flags:
-            return True
-        if not worker_flags:
-            worker_flags.update(_worker_flag_names())
-        return name in worker_flags
+        return name in serve_flags or name in _worker_flag_names()
 
     repeated = frozenset(f.name for f in FLAGS if f.arity == "append")
     try:
