@@ -39,7 +39,8 @@ def serve(argv: Sequence[str]) -> int:
     base_url = f"{scheme}://{probe_host(args.host)}:{args.port}"
     # The gateway has checked the files (check_gateway_args), so this loads them without surprises.
     context = probe_ssl_context(args.ssl_certfile, args.ssl_keyfile) if args.ssl_certfile else None
-    return run(worker_argv, gateway_argv, base_url, args.ready_timeout, args.api_key, context)
+    return run(worker_argv, gateway_argv, base_url, args.ready_timeout, args.api_key, context,
+               single_process=args.single_process)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -48,6 +48,8 @@ class ServeArgs:
     api_key: str | None = None
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
+    # --disable-frontend-multiprocessing: the worker and the gateway in one process.
+    single_process: bool = False
 
 
 def _dest(flag: Flag) -> str:
@@ -236,4 +238,4 @@ def parse(argv: Sequence[str]) -> ServeArgs:
             raise ServeArgsError(f"{flag_name} {number} is not a TCP port")
     return ServeArgs(gateway_argv, worker_argv + extra, namespace.grpc_host, namespace.grpc_port, host, port,
                      namespace.ready_timeout, warnings, api_key, given.get("--ssl-certfile"),
-                     given.get("--ssl-keyfile"))
+                     given.get("--ssl-keyfile"), single_process=bool(given.get("--disable-frontend-multiprocessing")))

@@ -104,14 +104,22 @@ class Supervisor:
 
 
 def serve(worker_argv: list[str], gateway_argv: list[str], base_url: str, ready_timeout: float,
-          api_key: str | None = None, ssl_context: ssl.SSLContext | None = None) -> int:
+          api_key: str | None = None, ssl_context: ssl.SSLContext | None = None,
+          single_process: bool = False) -> int:
     python = sys.executable
-    worker = _start("engine worker", [python, "-m", "engine_worker", *worker_argv])
-    gateway = _start("gateway", [python, "-m", "gateway", *gateway_argv])
-    supervisor = Supervisor([worker, gateway])
+    if single_process:
+        one = _start("engine worker and gateway", [python, "-m", "taco_llm.single_process",
+                                                   json.dumps({"worker": worker_argv, "gateway": gateway_argv})])
+        children = [one]
+        what = f"the engine worker and the gateway in one process (pid {one.process.pid})"
+    else:
+        worker = _start("engine worker", [python, "-m", "engine_worker", *worker_argv])
+        gateway = _start("gateway", [python, "-m", "gateway", *gateway_argv])
+        children = [worker, gateway]
+        what = f"the engine worker (pid {worker.process.pid}) and the gateway (pid {gateway.process.pid})"
+    supervisor = Supervisor(children)
     supervisor.install_signal_handlers()
-    print(f"taco_llm: starting the engine worker (pid {worker.process.pid}) and the gateway "
-          f"(pid {gateway.process.pid}); the API will be at {base_url}", flush=True)
+    print(f"taco_llm: starting {what}; the API will be at {base_url}", flush=True)
     started = time.monotonic()
     ready = False
     code = 0

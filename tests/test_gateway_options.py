@@ -403,3 +403,45 @@ def test_disable_log_stats_and_max_log_len_warning(secured: Secured, stack: Stac
     assert "Avg prompt throughput" not in log
     warnings = [line for line in log.splitlines() if "warning: --max-log-len" in line]
     assert len(warnings) == 1, log[-3000:]
+
+
+# --- --disable-frontend-multiprocessing: one more engine ------------------------------------------------
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of each child process of pid, read from /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                child = int(stat.parent.name)
+                found.append((child, (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()))
+        except (OSError, IndexError, ValueError):
+            continue  # a process that ended meanwhile
+    return found
+
+
+def test_disable_frontend_multiprocessing(model_dir: Path, log_dir: Path, client: openai.OpenAI) -> None:
+    port, grpc_port = free_port(), free_port()
+    process = _start("serve-one-process", ["serve", "--disable-frontend-multiprocessing", "--port", str(port),
+                                           "--grpc-port", str(grpc_port), "--api-key", GATEWAY_KEY, *ENGINE_FLAGS],
+                     log_dir)
+    try:
+        wait_until(process, lambda: "taco_llm: ready in" in process.log.read_text(errors="replace"), START_TIMEOUT)
+        children = _children(process.popen.pid)
+        assert len(children) == 1 and "taco_llm.single_process" in children[0][1], children
+        # vLLM's own EngineCore is the one process below it.
+        assert len(_children(children[0][0])) >= 1
+        api = _openai(f"http://127.0.0.1:{port}", GATEWAY_KEY)
+        answer = api.chat.completions.create(model=api.models.list().data[0].id, **CHAT)
+        reference = client.chat.completions.create(model=client.models.list().data[0].id, **CHAT)
+        assert answer.choices[0].message.content == reference.choices[0].message.content
+        # The gRPC hop is kept: the worker answers on its port, and wants the key there too.
+        with pytest.raises(grpc.RpcError) as excinfo:
+            _grpc_call(f"127.0.0.1:{grpc_port}", lambda s: s.GetModelInfo(engine_pb2.GetModelInfoRequest()))
+        assert excinfo.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 401
+    finally:
+        code = process.stop()
+    assert code == 0, f"taco_llm serve exited with {code} on SIGTERM:\n{process.tail()}"
