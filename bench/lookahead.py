@@ -1,0 +1,251 @@
+"""The Lookahead Cache against vLLM's own speculative methods and no speculation, in one run.
+
+    python bench/lookahead.py [--dtype float32] [--max-tokens 128] [--requests 6]
+                              [--methods none,ngram,suffix,lookahead] [--out bench/results/lookahead.json]
+
+Every method runs in the same taco_llm worker behind the same gateway; only the speculative method
+differs (vLLM's `ngram` and `suffix` through --speculative-config, ours through
+--lookahead-cache-config-dir). Each method gets a fresh worker, then runs four workloads at
+concurrency 1 and 4, each with its own requests, in the same order for every method:
+  copy      repeat a given code file (the answer is in the prompt)
+  rag       answer by quoting one of a few shared documents (the documents repeat across requests)
+  template  fill the same report template for different items (the form repeats across requests)
+  stories   open-ended stories on different topics (nothing repeats)
+Written: output tok/s per method, workload and concurrency, each method's ratio to no speculation and
+to the better of ngram and suffix, draft acceptance (vLLM's own spec-decode counters), the lookahead
+proposer's time per step, and whether the outputs equal no speculation's. `suffix` needs the
+arctic-inference package; without it that row is skipped and says so. A script, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "SmolLM2-135M-Instruct"
+CONCURRENCY = (1, 4)
+SPECULATIVE = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 5, "prompt_lookup_min": 2},
+    "suffix": {"method": "suffix"},
+}
+DOCUMENTS = [
+    "The Halden ferry leaves the north pier every forty minutes from six in the morning. Tickets cost four "
+    "euros for adults and two euros for children. Bicycles travel free, but dogs must be kept on a lead. "
+    "In winter storms the ferry may be cancelled, and notices are posted at the ticket office.",
+    "The Orrin community library opens at nine on weekdays and at ten on Saturdays. Members may borrow "
+    "eight books at a time for three weeks. Late returns cost ten cents a day. The reading room on the "
+    "second floor is quiet, and the children's corner hosts story time on Wednesday afternoons.",
+    "Brightvale's recycling service collects paper on Mondays and plastic on Thursdays. Glass goes to the "
+    "bottle banks by the town hall. Batteries and electronics are taken at the depot on Mill Road, which "
+    "is open from eight to four. Bins must be at the kerb by seven in the morning.",
+]
+QUESTIONS = ["When does it open or run?", "What does it cost?", "What are the rules?", "What happens in bad cases?",
+             "Where is it?", "Summarize it in one sentence.", "What should a newcomer know?",
+             "What is free?", "What is the schedule?", "What is on the second point?", "Quote the first sentence.",
+             "Quote the last sentence."]
+ITEMS = ["a solar lantern", "a steel water bottle", "a folding chair", "a wool scarf", "a desk lamp",
+         "a hiking backpack", "a ceramic mug", "a bicycle bell", "a kitchen timer", "a garden hose", "a rain coat",
+         "a chess set"]
+TOPICS = ["a lighthouse keeper", "a lost robot", "a dragon who bakes", "a time-travelling cat", "a river spirit",
+          "a chess prodigy", "a desert caravan", "a haunted violin", "a moon miner", "a gardener's secret",
+          "a runaway train", "a talking fox"]
+TEMPLATE = ("Write a product card for {item}. Use exactly this form, filling in each line:\n"
+            "Name: ...\nMaterial: ...\nBest for: ...\nCare: ...\nWarranty: two years, parts and labour.\n"
+            "Shipping: free within the country, three to five working days.")
+
+
+def _code_files() -> list[str]:
+    files = sorted((ROOT / "gateway").glob("*.py")) + sorted((ROOT / "engine_worker").glob("*.py"))
+    return [path.read_text()[:900] for path in files if len(path.read_text()) > 900]
+
+
+def workloads(requests: int) -> dict[str, list[list[list[dict[str, str]]]]]:
+    """For each workload, one list of chats per concurrency level (disjoint, so no run replays another)."""
+    code = _code_files()
+
+    def copy(i: int) -> str:
+        return f"Repeat the following code exactly, then stop:\n```python\n{code[i % len(code)]}\n```"
+
+    def rag(i: int) -> str:
+        doc = DOCUMENTS[i % len(DOCUMENTS)]
+        return f"Answer by quoting the document.\nDocument: {doc}\nQuestion: {QUESTIONS[i % len(QUESTIONS)]}"
+
+    makers = {"copy": copy, "rag": rag, "template": lambda i: TEMPLATE.format(item=ITEMS[i % len(ITEMS)]),
+              "stories": lambda i: f"Write a short story about {TOPICS[i % len(TOPICS)]}."}
+    return {name: [[[{"role": "user", "content": make(level * requests + i)}] for i in range(requests)]
+                   for level in range(len(CONCURRENCY))] for name, make in makers.items()}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait(url: str, processes: list[subprocess.Popen[bytes]], timeout: float = 900) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for process in processes:
+            if process.poll() is not None:
+                raise RuntimeError(f"a server exited with {process.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"{url} not ready in time")
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def _metrics(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
+async def _run(base_url: str, chats: list[list[dict[str, str]]], concurrency: int,
+               max_tokens: int) -> tuple[float, list[str]]:
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=900)
+    gate = asyncio.Semaphore(concurrency)
+    tokens = 0
+
+    async def one(messages: list[dict[str, str]]) -> str:
+        nonlocal tokens
+        async with gate:
+            reply = await client.chat.completions.create(model=MODEL, messages=messages,  # type: ignore[arg-type]
+                                                         max_tokens=max_tokens, temperature=0)
+            tokens += reply.usage.completion_tokens if reply.usage else 0
+            return reply.choices[0].message.content or ""
+
+    start = time.perf_counter()
+    texts = await asyncio.gather(*(one(m) for m in chats))
+    elapsed = time.perf_counter() - start
+    await client.close()
+    return tokens / elapsed, list(texts)
+
+
+def _method_flags(method: str, config_dir: Path) -> list[str]:
+    if method == "lookahead":
+        return ["--lookahead-cache-config-dir", str(config_dir)]
+    if method in SPECULATIVE:
+        return ["--speculative-config", json.dumps(SPECULATIVE[method])]
+    return []
+
+
+def bench_method(method: str, args: argparse.Namespace, config_dir: Path,
+                 loads: dict[str, list[list[list[dict[str, str]]]]]) -> dict[str, Any]:
+    grpc_port, http_port, metrics_port = _free_port(), _free_port(), _free_port()
+    log = open(ROOT / "bench" / "results" / f"lookahead-{method}.log", "wb")  # noqa: SIM115
+    common = {"cwd": ROOT, "stdout": log, "stderr": subprocess.STDOUT, "start_new_session": True}
+    worker = subprocess.Popen([sys.executable, "-m", "taco_llm.cli", "worker", "--dtype", args.dtype,
+                               "--max-model-len", "4096", "--max-num-seqs", "16", "--seed", "0",
+                               "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
+                               *_method_flags(method, config_dir)], **common)  # type: ignore[call-overload]
+    gateway = subprocess.Popen([sys.executable, "-m", "taco_llm.cli", "gateway", "--engine",
+                                f"127.0.0.1:{grpc_port}", "--port", str(http_port)], **common)  # type: ignore[call-overload]
+    base_url = f"http://127.0.0.1:{http_port}"
+    rows: dict[str, Any] = {}
+    try:
+        _wait(f"{base_url}/health", [worker, gateway])
+        asyncio.run(_run(base_url, [[{"role": "user", "content": "Hello!"}]], 1, 8))  # warm-up
+        for name, levels in loads.items():
+            for concurrency, chats in zip(CONCURRENCY, levels, strict=True):
+                before = _metrics(metrics_port)
+                tok_s, texts = asyncio.run(_run(base_url, chats, concurrency, args.max_tokens))
+                after = _metrics(metrics_port)
+
+                def delta(key: str, after: dict[str, float] = after, before: dict[str, float] = before) -> float:
+                    return after.get(key, 0.0) - before.get(key, 0.0)
+
+                drafted = delta("vllm:spec_decode_num_draft_tokens_total")
+                row: dict[str, Any] = {"tok_s": round(tok_s, 2), "texts": texts,
+                                       "acceptance": round(delta("vllm:spec_decode_num_accepted_tokens_total")
+                                                           / drafted, 3) if drafted else None}
+                steps = delta("taco_llm_lookahead_steps_total")
+                if steps:
+                    row["propose_us_per_step"] = round(1e6 * delta("taco_llm_lookahead_propose_seconds_total")
+                                                       / steps, 1)
+                rows[f"{name}@{concurrency}"] = row
+                print(f"{method:9s} {name:8s} c={concurrency}: {tok_s:7.2f} tok/s  acceptance "
+                      f"{row['acceptance']}", flush=True)
+    finally:
+        _stop(gateway)
+        _stop(worker)
+        log.close()
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--requests", type=int, default=6, help="requests per workload and concurrency level")
+    parser.add_argument("--methods", default="none,ngram,suffix,lookahead")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "lookahead.json")
+    args = parser.parse_args()
+    (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
+    loads = workloads(args.requests)
+    results: dict[str, Any] = {"dtype": args.dtype, "max_tokens": args.max_tokens, "requests": args.requests,
+                               "methods": {}, "skipped": {}}
+    with tempfile.TemporaryDirectory() as config_dir:
+        (Path(config_dir) / "lookahead_cache_config.json").write_text("{}")
+        for method in args.methods.split(","):
+            if method == "suffix":
+                try:
+                    import arctic_inference  # noqa: F401
+                except ImportError:
+                    results["skipped"]["suffix"] = "arctic-inference is not installed"
+                    print("suffix skipped: arctic-inference is not installed", flush=True)
+                    continue
+            results["methods"][method] = bench_method(method, args, Path(config_dir), loads)
+    methods = results["methods"]
+    summary: dict[str, Any] = {}
+    for key in methods.get("none", {}):
+        base = methods["none"][key]
+        peers = [methods[m][key]["tok_s"] for m in ("ngram", "suffix") if m in methods]
+        entry: dict[str, Any] = {}
+        for method, rows in methods.items():
+            entry[method] = {"tok_s": rows[key]["tok_s"], "vs_none": round(rows[key]["tok_s"] / base["tok_s"], 3),
+                             "same_output_as_none": rows[key]["texts"] == base["texts"]}
+        if peers and "lookahead" in methods:
+            entry["lookahead_vs_best_peer"] = round(methods["lookahead"][key]["tok_s"] / max(peers), 3)
+        summary[key] = entry
+    results["summary"] = summary
+    args.out.write_text(json.dumps(results, indent=2))
+    print(json.dumps(summary, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

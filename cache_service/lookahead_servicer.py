@@ -1,0 +1,153 @@
+"""The shared Lookahead Cache index: a log of finished sequences per namespace, kept in Redis.
+
+Each namespace (model + tokenizer) is one Redis stream. A stream gives what workers need: an ordered
+log that survives restarts of everything (with Redis persistence on), that a worker replays from any
+point it last saw, and whose oldest entries Redis trims to a bound by itself. Workers build their
+drafting index from the records; this service never interprets tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from array import array
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import redis.asyncio as redis
+from redis.exceptions import RedisError
+
+from protos import lookahead_pb2, lookahead_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+KEY_PREFIX = "taco_llm:lookahead:"
+MAX_RECORDS = 200_000  # per namespace; Redis trims the oldest beyond this (approximately, for speed)
+MAX_PUBLISH_TOKENS = 4_000_000
+MAX_NAMESPACE_LENGTH = 512
+READ_BATCH = 256
+LIVE_BLOCK_MS = 5_000
+
+
+def _pack(tokens: Any) -> bytes:
+    packed = array("I", tokens)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _unpack(data: bytes) -> array[int]:
+    tokens = array("I")
+    tokens.frombytes(data)
+    if sys.byteorder != "little":
+        tokens.byteswap()
+    return tokens
+
+
+def _record(entry_id: bytes, fields: dict[bytes, bytes]) -> lookahead_pb2.Record:
+    return lookahead_pb2.Record(
+        id=entry_id.decode(), prompt=_unpack(fields.get(b"p", b"")), output=_unpack(fields.get(b"o", b"")),
+        created_unix=float(fields.get(b"t", b"0")), origin=fields.get(b"g", b"").decode(),
+    )
+
+
+class LookaheadIndexServicer(lookahead_pb2_grpc.LookaheadIndexServicer):
+    def __init__(self, redis_url: str | None):
+        self.redis_url = redis_url
+        self.redis: redis.Redis | None = None
+        if redis_url:
+            # Blocking reads wait LIVE_BLOCK_MS; the socket timeout must outlast them.
+            self.redis = redis.from_url(redis_url, socket_connect_timeout=2.0,
+                                        socket_timeout=LIVE_BLOCK_MS / 1000 + 5.0)
+
+    async def _client(self, namespace: str, context: grpc.aio.ServicerContext) -> tuple[redis.Redis, str]:
+        if not namespace or len(namespace) > MAX_NAMESPACE_LENGTH:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"namespace: must be 1 to {MAX_NAMESPACE_LENGTH} characters")
+        if self.redis is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "the cache service was started without --redis-url: the lookahead index "
+                                "is not shared")
+        assert self.redis is not None
+        return self.redis, KEY_PREFIX + namespace
+
+    async def _unavailable(self, context: grpc.aio.ServicerContext, error: RedisError) -> None:
+        logger.warning("lookahead index: Redis at %s: %s", self.redis_url, error)
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"Redis is unavailable: {error}")
+
+    async def Publish(self, request: lookahead_pb2.PublishRequest,
+                      context: grpc.aio.ServicerContext) -> lookahead_pb2.PublishResponse:
+        client, key = await self._client(request.namespace, context)
+        tokens = sum(len(r.prompt) + len(r.output) for r in request.records)
+        if tokens > MAX_PUBLISH_TOKENS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"records: {tokens} tokens in one call; at most {MAX_PUBLISH_TOKENS}")
+        last_id = ""
+        try:
+            async with client.pipeline(transaction=False) as pipe:
+                for record in request.records:
+                    if not record.output and not record.prompt:
+                        continue
+                    pipe.xadd(key, {"p": _pack(record.prompt), "o": _pack(record.output),
+                                    "t": repr(record.created_unix), "g": record.origin},
+                              maxlen=MAX_RECORDS, approximate=True)
+                ids = await pipe.execute()
+            if ids:
+                last_id = ids[-1].decode()
+        except RedisError as error:
+            await self._unavailable(context, error)
+        return lookahead_pb2.PublishResponse(last_id=last_id)
+
+    async def Subscribe(self, request: lookahead_pb2.SubscribeRequest,
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[lookahead_pb2.SubscribeResponse]:
+        client, key = await self._client(request.namespace, context)
+        after = request.after_id or "0-0"
+        caught_up = False
+        while True:
+            try:
+                reply: Any = await client.xread({key: after}, count=READ_BATCH,
+                                           block=LIVE_BLOCK_MS if caught_up else None)
+            except RedisError as error:
+                await self._unavailable(context, error)
+                return
+            except ValueError:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"after_id: {after!r} is not a log id")
+                return
+            records = [_record(entry_id, fields) for _, entries in reply for entry_id, fields in entries]
+            if records:
+                after = records[-1].id
+            if not caught_up and len(records) < READ_BATCH:
+                caught_up = True
+                yield lookahead_pb2.SubscribeResponse(records=records, caught_up=True)
+            elif records:
+                yield lookahead_pb2.SubscribeResponse(records=records)
+
+    async def GetStats(self, request: lookahead_pb2.GetStatsRequest,
+                       context: grpc.aio.ServicerContext) -> lookahead_pb2.IndexStats:
+        client, key = await self._client(request.namespace, context)
+        try:
+            records = await client.xlen(key)
+            tokens = 0
+            async for _, fields in _entries(client, key):
+                tokens += (len(fields.get(b"p", b"")) + len(fields.get(b"o", b""))) // 4
+        except RedisError as error:
+            logger.warning("lookahead index: Redis at %s: %s", self.redis_url, error)
+            return lookahead_pb2.IndexStats(max_records=MAX_RECORDS, redis_connected=False)
+        return lookahead_pb2.IndexStats(records=records, tokens=tokens, max_records=MAX_RECORDS,
+                                        redis_connected=True)
+
+    async def close(self) -> None:
+        if self.redis is not None:
+            await self.redis.aclose()
+
+
+async def _entries(client: redis.Redis, key: str) -> AsyncIterator[tuple[bytes, dict[bytes, bytes]]]:
+    after = "-"
+    while True:
+        batch: Any = await client.xrange(key, min=after, max="+", count=1000)
+        if not batch:
+            return
+        for entry_id, fields in batch:
+            yield entry_id, fields
+        after = "(" + batch[-1][0].decode()

@@ -1,0 +1,193 @@
+"""The lookahead index: where each short run of tokens was seen before, and what followed it.
+
+A draft is the continuation that followed the longest earlier match of the sequence's tail, voted on
+by every occurrence that matches as well. Occurrences come from the request's own tokens (always) and
+from the shared index of past prompts and outputs (when global_cache_switch is on).
+
+The shared index is two generations: new sequences go into the current one, and when it is full the
+previous one is dropped and the current one takes its place. Lookups read both, the older at `decay`
+weight. That bounds memory without a sweep on the decode thread, and keeps what was seen recently.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from .config import LookaheadCacheConfig
+
+SEPARATOR = -1
+# Bytes one indexed position costs, measured with tracemalloc (tests/test_lookahead_index.py checks it):
+# the int32 token; per key its bytes, its dict slot and its array of positions; 4 bytes per position
+# plus the array's spare room.
+BYTES_PER_TOKEN = 4
+BYTES_PER_KEY = 200
+BYTES_PER_POSITION = 8
+
+
+class TokenIndex:
+    """Tokens end to end, and for each key (a run of `length` tokens) the latest positions after it."""
+
+    __slots__ = ("cell_max_size", "key_lengths", "num_keys", "num_positions", "positions", "tokens")
+
+    def __init__(self, key_lengths: Sequence[int], cell_max_size: int):
+        self.tokens = array("i")
+        # Keys are the int32 bytes of the run: a fraction of the memory of a tuple of ints.
+        self.positions: dict[bytes, array[int]] = {}
+        self.key_lengths = tuple(key_lengths)
+        self.cell_max_size = cell_max_size
+        self.num_keys = 0
+        self.num_positions = 0
+
+    def approx_bytes(self) -> int:
+        return (BYTES_PER_TOKEN * len(self.tokens) + BYTES_PER_KEY * self.num_keys
+                + BYTES_PER_POSITION * self.num_positions)
+
+    def extend(self, new_tokens: Iterable[int], segment_start: int) -> None:
+        """Appends tokens and indexes every key that ends before one of them. Keys never reach back
+        before segment_start, so separate sequences never join into a false match."""
+        tokens, positions, cap = self.tokens, self.positions, self.cell_max_size
+        for token in new_tokens:
+            end = len(tokens)
+            for length in self.key_lengths:
+                if end - length < segment_start:
+                    continue
+                key = tokens[end - length:end].tobytes()
+                cell = positions.get(key)
+                if cell is None:
+                    positions[key] = array("i", (end,))
+                    self.num_keys += 1
+                    self.num_positions += 1
+                else:
+                    cell.append(end)
+                    if len(cell) > cap:
+                        del cell[0]
+                    else:
+                        self.num_positions += 1
+            tokens.append(token)
+
+    def add_sequence(self, sequence: Sequence[int]) -> None:
+        if not sequence:
+            return
+        self.tokens.append(SEPARATOR)
+        self.extend(sequence, len(self.tokens))
+
+
+@dataclass(slots=True)
+class Occurrence:
+    index: TokenIndex
+    position: int
+    matched: int
+    weight: float
+    local: bool
+
+
+class Drafter:
+    """Turns a sequence's tail into a draft, from its own tokens and the shared generations."""
+
+    def __init__(self, config: LookaheadCacheConfig, budget_bytes: int):
+        self.config = config
+        self.key_lengths = config.key_lengths()
+        self.max_match = max(self.key_lengths) + 8
+        self.eos = config.eos_ids()
+        self.budget_bytes = budget_bytes
+        self.max_tokens = config.cache_size
+        self.current = self.new_index()
+        self.previous = self.new_index()
+        self.rotations = 0
+
+    def new_index(self) -> TokenIndex:
+        return TokenIndex(self.key_lengths, self.config.cell_max_size)
+
+    # --- the shared index -------------------------------------------------------------------------
+
+    def add_shared(self, sequence: Sequence[int]) -> None:
+        if not self.config.global_cache_switch or not sequence:
+            return
+        per_token = BYTES_PER_TOKEN + len(self.key_lengths) * (BYTES_PER_KEY + BYTES_PER_POSITION)
+        half_bytes, half_tokens = self.budget_bytes // 2, self.max_tokens // 2
+        # A sequence longer than a generation keeps its end, the part nearest what comes next.
+        fits = max(0, min(half_bytes // per_token, half_tokens) - 1)
+        if len(sequence) > fits:
+            sequence = sequence[len(sequence) - fits:]
+            if not sequence:
+                return
+        if (self.current.approx_bytes() + per_token * (len(sequence) + 1) > half_bytes
+                or len(self.current.tokens) + len(sequence) + 1 > half_tokens):
+            self.previous, self.current = self.current, self.new_index()
+            self.rotations += 1
+        self.current.add_sequence(sequence)
+
+    def shared_tokens(self) -> int:
+        return len(self.current.tokens) + len(self.previous.tokens)
+
+    def shared_bytes(self) -> int:
+        return self.current.approx_bytes() + self.previous.approx_bytes()
+
+    # --- drafting ---------------------------------------------------------------------------------
+
+    def _occurrences(self, index: TokenIndex, tail: array[int], length: int, weight: float,
+                     local: bool, out: list[Occurrence]) -> None:
+        cell = index.positions.get(tail[-length:].tobytes())
+        if not cell:
+            return
+        tokens, size = index.tokens, len(index.tokens)
+        limit = min(self.max_match, len(tail))
+        for position in cell:
+            if position >= size:
+                continue  # the tail itself, with nothing after it yet
+            matched = length
+            while (matched < limit and position - matched - 1 >= 0
+                   and tokens[position - matched - 1] == tail[-matched - 1]):
+                matched += 1
+            out.append(Occurrence(index, position, matched, weight, local))
+
+    def find(self, tail: array[int], own: TokenIndex | None) -> list[Occurrence]:
+        """Occurrences of the longest key that matches anywhere, longest backward match first."""
+        found: list[Occurrence] = []
+        for length in self.key_lengths:
+            if len(tail) < length:
+                continue
+            if own is not None:
+                self._occurrences(own, tail, length, 1.0, True, found)
+            if self.config.global_cache_switch:
+                self._occurrences(self.current, tail, length, 1.0, False, found)
+                self._occurrences(self.previous, tail, length, self.config.decay, False, found)
+            found = [o for o in found if o.matched >= self.config.min_match_length]
+            if found:
+                break
+        found.sort(key=lambda o: (o.matched, o.local, o.weight, o.position), reverse=True)
+        return found
+
+    def draft(self, tail: array[int], own: TokenIndex | None, max_len: int) -> list[int]:
+        """Up to max_len tokens to follow `tail` (the int32 array of the sequence's last tokens)."""
+        if max_len <= 0:
+            return []
+        voters = self.find(tail, own)
+        if not voters:
+            return []
+        best = voters[0].matched
+        voters = [o for o in voters if o.matched == best]
+        strong = best >= max(self.key_lengths) or any(o.local for o in voters)
+        min_share = 1.0 / self.config.token_paths_top_k
+        draft: list[int] = []
+        for step in range(max_len):
+            votes: dict[int, float] = {}
+            total = 0.0
+            for o in voters:
+                at = o.position + step
+                if at < len(o.index.tokens) and (token := o.index.tokens[at]) != SEPARATOR:
+                    votes[token] = votes.get(token, 0.0) + o.weight
+                    total += o.weight
+            if not votes:
+                break
+            token, weight = max(votes.items(), key=lambda item: item[1])
+            if weight < min_share * total or (step == 0 and not strong and weight < self.config.threshold):
+                break
+            draft.append(token)
+            if token in self.eos:
+                break
+            voters = [o for o in voters if o.position + step < len(o.index.tokens)
+                      and o.index.tokens[o.position + step] == token]
+        return draft

@@ -1,0 +1,259 @@
+"""The Lookahead Cache as a vLLM speculative proposer (speculative method `custom_class`).
+
+vLLM calls `propose` once per engine step, after sampling, with every running request's tokens; it
+returns one draft per batch row, which the next step verifies. vLLM's rejection sampler keeps exactly
+the tokens the model itself would have produced, so drafts only change speed.
+
+Speculation pays only where drafts are accepted, and costs compute everywhere, which on CPUs shows.
+Each request therefore drafts no more than its recent acceptance earns, stops drafting from weak
+matches after misses, and nobody drafts while more than `target_parallelism` requests decode.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import metrics
+from .config import load_config, load_warmup
+from .index import Drafter, TokenIndex
+from .settings import LookaheadSettings
+from .sync import IndexSync
+
+logger = logging.getLogger(__name__)
+
+# Longest run of steps a request goes without drafting after drafts keep missing.
+MAX_BACKOFF_STEPS = 32
+# Tokens of other workers' sequences added per step, so that a burst never stalls a decode step.
+INBOX_TOKENS_PER_STEP = 8192
+DEFAULT_TARGET_PARALLELISM = 8
+GAUGE_INTERVAL_SECONDS = 1.0
+
+
+@dataclass(slots=True)
+class RequestState:
+    own: TokenIndex
+    num_prompt: int
+    cap: int
+    drafted: int = 0
+    misses: int = 0
+    skip: int = 0
+
+    def record_verdict(self, num_sampled: int, copy_length: int) -> int:
+        """Updates the draft budget from how much of the last draft was accepted; returns that count."""
+        if self.drafted == 0:
+            return 0
+        accepted = max(0, min(num_sampled - 1, self.drafted))
+        if accepted == self.drafted:
+            self.cap = min(copy_length, self.cap + 2)
+            self.misses = 0
+        elif accepted == 0:
+            self.cap = max(1, self.cap // 2)
+            self.misses += 1
+            self.skip = min(MAX_BACKOFF_STEPS, (1 << self.misses) - 1)
+        else:
+            self.cap = max(1, accepted + 1)
+            self.misses = 0
+        self.drafted = 0
+        return accepted
+
+
+@dataclass
+class LookaheadStats:
+    steps: int = 0
+    drafts: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    finished_requests: int = 0
+    lookup_seconds: float = 0.0
+
+
+class LookaheadProposer:
+    def __init__(self, vllm_config: Any):
+        # vLLM's engine process configures logging for the "vllm" loggers only.
+        if not logging.getLogger().handlers:
+            logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s lookahead: %(message)s")
+        settings = LookaheadSettings.from_environment()
+        self.settings = settings
+        self.config = load_config(settings.config_dir)
+        spec = vllm_config.speculative_config
+        self.copy_length = min(self.config.copy_length, spec.num_speculative_tokens)
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.max_parallel = self.config.target_parallelism or DEFAULT_TARGET_PARALLELISM
+        config = self.config
+        if settings.eos_token_ids and config.eos_token_id is None:
+            config = config.model_copy(update={"eos_token_id": settings.eos_token_ids})
+        self.drafter = Drafter(config, settings.budget_bytes)
+        self.requests: dict[str, RequestState] = {}
+        self.stats = LookaheadStats()
+        self.runner: Any = None
+        self._last_log = time.monotonic()
+        self._warm_up()
+        self.sync: IndexSync | None = None
+        if settings.cache_service and config.global_cache_switch:
+            self.sync = IndexSync(settings.cache_service, settings.namespace, f"worker-{uuid.uuid4().hex[:12]}")
+            self.sync.start()
+            self._load_shared_backlog()
+        threading.Thread(target=self._refresh_gauges_forever, name="lookahead-gauges", daemon=True).start()
+
+    # --- start-up -------------------------------------------------------------------------------
+
+    def _warm_up(self) -> None:
+        records = load_warmup(self.settings.config_dir, self.settings.vocab_size)
+        if not records:
+            return
+        from tqdm import tqdm
+
+        for record in tqdm(records, desc="Lookahead cache warm-up", unit="seq", mininterval=1.0):
+            self._add_shared(record.prompt, record.output)
+        logger.info("lookahead cache: warmed up from %d sequences (%d tokens indexed)", len(records),
+                    self.drafter.shared_tokens())
+
+    def _load_shared_backlog(self, timeout: float = 60.0) -> None:
+        assert self.sync is not None
+        self.sync.caught_up.wait(timeout)
+        loaded = len(self.sync.inbox)
+        self._drain_inbox(limit=None)
+        logger.info("lookahead cache: loaded %d sequences from the shared index (%d tokens indexed)", loaded,
+                    self.drafter.shared_tokens())
+
+    # --- vLLM's proposer interface ------------------------------------------------------------------
+
+    def bind_runner(self, runner: Any) -> None:
+        """Called by engine_worker.lookahead.worker once the model runner exists: the runner's input
+        batch names the request in each row, which `propose` is not given."""
+        self.runner = runner
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        """No draft model: the index is the drafter."""
+
+    def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
+                token_ids_cpu: np.ndarray, slot_mappings: Any = None) -> list[list[int]]:
+        if self.runner is None:
+            raise RuntimeError("the lookahead proposer needs the worker class "
+                               "engine_worker.lookahead.worker.LookaheadWorker (taco_llm worker sets it)")
+        started = time.perf_counter()
+        batch = self.runner.input_batch
+        self._drain_inbox(INBOX_TOKENS_PER_STEP)
+        decoding = sum(1 for sampled in sampled_token_ids if sampled)
+        speculate = decoding <= self.max_parallel
+        drafts: list[list[int]] = []
+        for row, sampled in enumerate(sampled_token_ids):
+            if not sampled:  # a prefill chunk: nothing to verify yet
+                drafts.append([])
+                continue
+            state = self._state(batch.req_ids[row], row, batch)
+            num_tokens = int(num_tokens_no_spec[row])
+            accepted = state.record_verdict(len(sampled), self.copy_length)
+            if accepted:
+                self.stats.accepted_tokens += accepted
+                metrics.accepted_tokens.inc(accepted)
+            known = len(state.own.tokens)
+            if num_tokens > known:
+                state.own.extend(token_ids_cpu[row, known:num_tokens].tolist(), 0)
+            drafts.append(self._draft(state, num_tokens) if speculate else [])
+        self._forget_lost()
+        elapsed = time.perf_counter() - started
+        self.stats.steps += 1
+        self.stats.lookup_seconds += elapsed
+        metrics.steps.inc()
+        metrics.propose_seconds.inc(elapsed)
+        self._maybe_log()
+        return drafts
+
+    # --- internals ----------------------------------------------------------------------------------
+
+    def _state(self, req_id: str, row: int, batch: Any) -> RequestState:
+        state = self.requests.get(req_id)
+        if state is None:
+            state = RequestState(self.drafter.new_index(), int(batch.num_prompt_tokens[row]), self.copy_length)
+            self.requests[req_id] = state
+        return state
+
+    def _draft(self, state: RequestState, num_tokens: int) -> list[int]:
+        room = min(state.cap, self.max_model_len - num_tokens - 1)
+        if room <= 0:
+            return []
+        tail = state.own.tokens[-self.drafter.max_match:]
+        if state.skip > 0:
+            state.skip -= 1
+            return []
+        draft = self.drafter.draft(tail, state.own, room)
+        if draft:
+            state.drafted = len(draft)
+            self.stats.drafts += 1
+            self.stats.drafted_tokens += len(draft)
+            metrics.drafts.inc()
+            metrics.drafted_tokens.inc(len(draft))
+        return draft
+
+    def finish(self, req_ids: Iterable[str]) -> None:
+        """Finished requests' sequences join the shared index and go to the cache service."""
+        for req_id in req_ids:
+            state = self.requests.pop(req_id, None)
+            if state is None:
+                continue
+            tokens = state.own.tokens
+            prompt = [] if self.settings.ignore_prompt else tokens[:state.num_prompt].tolist()
+            output = tokens[state.num_prompt:].tolist()
+            self.stats.finished_requests += 1
+            if output:
+                self._add_shared(prompt, output)
+                if self.sync is not None:
+                    self.sync.publish(prompt, output)
+
+    def _forget_lost(self) -> None:
+        """A safety net: state for requests the runner no longer holds, should a finish be missed."""
+        if len(self.requests) > 2 * max(len(self.runner.requests), 64):
+            self.finish([r for r in self.requests if r not in self.runner.requests])
+
+    def _add_shared(self, prompt: Sequence[int], output: Sequence[int]) -> None:
+        self.drafter.add_shared([*prompt, *output])
+
+    def _drain_inbox(self, limit: int | None) -> None:
+        if self.sync is None:
+            return
+        inbox, budget = self.sync.inbox, limit
+        while inbox and (budget is None or budget > 0):
+            sequence = inbox.popleft()
+            self._add_shared([] if self.settings.ignore_prompt else sequence.prompt, sequence.output)
+            if budget is not None:
+                budget -= len(sequence.prompt) + len(sequence.output)
+
+    def _publish_gauges(self) -> None:
+        metrics.index_tokens.set(self.drafter.shared_tokens())
+        metrics.index_bytes.set(self.drafter.shared_bytes())
+        if self.sync is not None:
+            metrics.sync_lag.set(self.sync.lag_seconds)
+            metrics.sync_pending.set(self.sync.pending())
+            metrics.sync_connected.set(1 if self.sync.connected else 0)
+
+    def _refresh_gauges_forever(self) -> None:
+        # Its own thread: the gauges (sync state above all) stay current while the engine is idle.
+        while True:
+            self._publish_gauges()
+            time.sleep(GAUGE_INTERVAL_SECONDS)
+
+    def _maybe_log(self) -> None:
+        now = time.monotonic()
+        if now - self._last_log < self.config.log_interval:
+            return
+        self._last_log = now
+        s = self.stats
+        mean = s.accepted_tokens / s.drafts if s.drafts else 0.0
+        sync = ""
+        if self.sync is not None:
+            sync = (f", sync {'up' if self.sync.connected else 'down'} lag {self.sync.lag_seconds:.2f}s "
+                    f"pending {self.sync.pending()}")
+        logger.info("lookahead cache: drafted %d tokens, accepted %d (%.1f%%), mean accepted length %.2f, "
+                    "index %d tokens / %.1f MiB, %.1f us per step%s", s.drafted_tokens, s.accepted_tokens,
+                    100.0 * s.accepted_tokens / s.drafted_tokens if s.drafted_tokens else 0.0, mean,
+                    self.drafter.shared_tokens(), self.drafter.shared_bytes() / 2**20,
+                    1e6 * s.lookup_seconds / max(1, s.steps), sync)

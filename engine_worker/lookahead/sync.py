@@ -1,0 +1,139 @@
+"""The worker's background link to the cache service for the shared lookahead index.
+
+The decode loop never waits on it: finished sequences go into an outbox that a publisher thread sends,
+and other workers' sequences arrive in an inbox that the proposer drains a bounded amount of each step.
+Either side reconnects with backoff when the cache service or its Redis is away, and the subscriber
+resumes after the last record it saw, so nothing published meanwhile is missed.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from protos import lookahead_pb2, lookahead_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+OUTBOX_LIMIT = 10_000
+PUBLISH_BATCH = 64
+MAX_BACKOFF_SECONDS = 10.0
+
+
+@dataclass
+class Sequence:
+    prompt: list[int]
+    output: list[int]
+
+
+class IndexSync:
+    def __init__(self, address: str, namespace: str, origin: str):
+        self.address = address
+        self.namespace = namespace
+        self.origin = origin
+        self.inbox: collections.deque[Sequence] = collections.deque()
+        self.outbox: queue.Queue[lookahead_pb2.Record] = queue.Queue(OUTBOX_LIMIT)
+        self.caught_up = threading.Event()
+        self.last_id = ""
+        self.lag_seconds = 0.0
+        self.received = 0
+        self.published = 0
+        self.dropped = 0
+        self.connected = False
+        self._stopping = threading.Event()
+        self._channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
+        self._stub = lookahead_pb2_grpc.LookaheadIndexStub(self._channel)
+        self._threads = [threading.Thread(target=self._subscribe_forever, name="lookahead-subscribe", daemon=True),
+                         threading.Thread(target=self._publish_forever, name="lookahead-publish", daemon=True)]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._channel.close()
+
+    def publish(self, prompt: list[int], output: list[int]) -> None:
+        record = lookahead_pb2.Record(prompt=prompt, output=output, origin=self.origin, created_unix=time.time())
+        try:
+            self.outbox.put_nowait(record)
+        except queue.Full:
+            self.dropped += 1
+
+    def pending(self) -> int:
+        return self.outbox.qsize()
+
+    def _set_connected(self, connected: bool, why: str = "") -> None:
+        if connected != self.connected:
+            if connected:
+                logger.info("lookahead index: connected to the cache service at %s", self.address)
+            else:
+                logger.warning("lookahead index: cache service at %s unavailable (%s); drafting from the "
+                               "local index and retrying", self.address, why)
+        self.connected = connected
+
+    def _subscribe_forever(self) -> None:
+        backoff = 0.25
+        while not self._stopping.is_set():
+            try:
+                request = lookahead_pb2.SubscribeRequest(namespace=self.namespace, after_id=self.last_id)
+                for response in self._stub.Subscribe(request):
+                    self._set_connected(True)
+                    backoff = 0.25
+                    for record in response.records:
+                        self.last_id = record.id
+                        if record.origin == self.origin:
+                            continue
+                        self.inbox.append(Sequence(list(record.prompt), list(record.output)))
+                        self.received += 1
+                        if record.created_unix:
+                            self.lag_seconds = max(0.0, time.time() - record.created_unix)
+                    if response.caught_up:
+                        self.caught_up.set()
+            except grpc.RpcError as error:
+                if self._stopping.is_set():
+                    return
+                self._set_connected(False, f"{error.code().name}: {error.details()}")
+            except ValueError:  # the channel was closed by stop()
+                return
+            # An unreachable service must not hold up start-up: whoever waits for the backlog goes on.
+            self.caught_up.set()
+            self._stopping.wait(backoff)
+            backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
+
+    def _publish_forever(self) -> None:
+        backoff = 0.25
+        batch: list[lookahead_pb2.Record] = []
+        while not self._stopping.is_set():
+            if not batch:
+                try:
+                    batch.append(self.outbox.get(timeout=0.5))
+                except queue.Empty:
+                    continue
+            while len(batch) < PUBLISH_BATCH:
+                try:
+                    batch.append(self.outbox.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                self._stub.Publish(lookahead_pb2.PublishRequest(namespace=self.namespace, records=batch),
+                                   timeout=5.0)
+                self.published += len(batch)
+                batch = []
+                backoff = 0.25
+                self._set_connected(True)
+            except grpc.RpcError as error:
+                if self._stopping.is_set():
+                    return
+                self._set_connected(False, f"{error.code().name}: {error.details()}")
+                self._stopping.wait(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
+            except ValueError:
+                return

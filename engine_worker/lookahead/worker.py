@@ -1,0 +1,39 @@
+"""vLLM's own worker class, with two additions for the lookahead proposer: it learns which request is
+in which batch row, and which requests have finished. vLLM's `custom_class` proposer interface passes
+token arrays but no request ids, and per-request state (prompt versus output, when a request ends)
+needs them. Selected through vLLM's supported `worker_cls` setting, so nothing in vLLM is patched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.platforms import current_platform
+
+from .proposer import LookaheadProposer
+
+if current_platform.is_cpu():
+    from vllm.v1.worker.cpu_worker import CPUWorker as _PlatformWorker
+else:
+    from vllm.v1.worker.gpu_worker import Worker as _PlatformWorker  # type: ignore[assignment]
+
+WORKER_CLASS = f"{__name__}.LookaheadWorker"
+
+
+class LookaheadWorker(_PlatformWorker):
+    lookahead: LookaheadProposer | None = None
+
+    def init_device(self) -> Any:
+        result = super().init_device()
+        drafter = getattr(self.model_runner, "drafter", None)
+        if isinstance(drafter, LookaheadProposer):
+            drafter.bind_runner(self.model_runner)
+            self.lookahead = drafter
+        return result
+
+    def execute_model(self, scheduler_output: Any) -> Any:
+        # The step after a request ends carries its id even when nothing else runs, so a request's
+        # sequence joins the shared index at once, not when the next request arrives.
+        if self.lookahead is not None and scheduler_output.finished_req_ids:
+            self.lookahead.finish(scheduler_output.finished_req_ids)
+        return super().execute_model(scheduler_output)

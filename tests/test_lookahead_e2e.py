@@ -1,0 +1,409 @@
+"""The Lookahead Cache end to end: real workers with our proposer inside vLLM, a real cache service and
+a real Redis, driven through the gateway with the openai SDK, compared against the shared stack that
+runs the same engine without speculation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import openai
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from protos import lookahead_pb2, lookahead_pb2_grpc
+
+from .conftest import ENGINE_FLAGS
+from .support import ROOT, Process, RedisServer, Stack, free_port, http_status, start, wait_until
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "SmolLM2-135M-Instruct"
+CODE = (ROOT / "engine_worker" / "lookahead" / "config.py").read_text()[:1200]
+COPY_PROMPTS = [
+    f"<|im_start|>user\nRepeat this code exactly:\n{CODE}<|im_end|>\n<|im_start|>assistant\n",
+    "Count with me: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3,",
+    "The list of colours is red, green, blue, yellow. Again: red, green, blue, yellow. Again: red,",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+    "Alice said hello. Bob said hello. Carol said hello. Dave said hello. Erin said",
+    "<|im_start|>user\nList the days of the week twice.<|im_end|>\n<|im_start|>assistant\n",
+    "Once upon a time there was a cat. Once upon a time there was a dog. Once upon a time there was",
+    "SELECT id, name FROM users WHERE id = 1;\nSELECT id, name FROM users WHERE id = 2;\nSELECT id,",
+]
+MAX_TOKENS = 64
+
+
+def extra(reply: Any, key: str) -> Any:
+    """A field vLLM adds to OpenAI's response (return_token_ids and prompt_token_ids)."""
+    assert reply.model_extra is not None, "the response has no extra fields"
+    return reply.model_extra[key]
+
+
+def chat(question: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": question}]
+
+
+@dataclass
+class Deployment:
+    """Redis, the cache service, one lookahead worker and a gateway, each its own process."""
+
+    log_dir: Path
+    config_dir: Path
+    redis: RedisServer | None
+    extra: list[str] = field(default_factory=list)
+    cache_port: int = field(default_factory=free_port)
+    worker_port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)
+    gateway_port: int = field(default_factory=free_port)
+    cache: subprocess.Popen[bytes] | None = None
+    worker: Process | None = None
+    gateway: Process | None = None
+    starts: int = 0
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway_port}"
+
+    @property
+    def namespace_prefix(self) -> str:
+        return f"{MODEL}:"
+
+    def start_cache(self) -> None:
+        assert self.redis is not None
+        log = (self.log_dir / f"cache-service-{self.config_dir.name}.log").open("ab")
+        self.cache = subprocess.Popen(
+            [sys.executable, "-m", "cache_service", "--grpc-port", str(self.cache_port), "--memory", "256M",
+             "--redis-url", self.redis.url], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        channel = grpc.insecure_channel(f"127.0.0.1:{self.cache_port}")
+        try:
+            grpc.channel_ready_future(channel).result(timeout=60)
+        finally:
+            channel.close()
+
+    def stop_cache(self) -> None:
+        if self.cache is not None:
+            self.cache.terminate()
+            assert self.cache.wait(30) == 0
+            self.cache = None
+
+    def start_worker(self) -> None:
+        self.starts += 1
+        args = ["worker", *ENGINE_FLAGS, "--grpc-port", str(self.worker_port), "--metrics-port",
+                str(self.metrics_port), "--lookahead-cache-config-dir", str(self.config_dir), *self.extra]
+        if self.redis is not None:
+            args += ["--cache-service", f"127.0.0.1:{self.cache_port}"]
+        self.worker = start(f"lookahead-worker-{self.config_dir.name}-{self.starts}", args, self.log_dir)
+        wait_until(self.worker, self.worker_serving)
+
+    def worker_serving(self) -> bool:
+        channel = grpc.insecure_channel(f"127.0.0.1:{self.worker_port}")
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+            return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+        except grpc.RpcError:
+            return False
+        finally:
+            channel.close()
+
+    def stop_worker(self) -> None:
+        if self.worker is not None:
+            code = self.worker.stop()
+            assert code == 0, f"worker exited with {code}:\n{self.worker.tail()}"
+            self.worker = None
+
+    def start(self) -> None:
+        if self.redis is not None:
+            self.redis.start()
+            self.start_cache()
+        self.start_worker()
+        self.gateway = start(f"lookahead-gateway-{self.config_dir.name}",
+                             ["gateway", "--engine", f"127.0.0.1:{self.worker_port}", "--port",
+                              str(self.gateway_port)], self.log_dir)
+        wait_until(self.gateway, self.ready)
+
+    def ready(self) -> bool:
+        return http_status(f"{self.base_url}/health") == 200
+
+    def stop(self) -> None:
+        if self.gateway is not None:
+            self.gateway.stop()
+        self.stop_worker()
+        self.stop_cache()
+        if self.redis is not None:
+            self.redis.stop()
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as reply:
+            text = reply.read().decode()
+        values: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name.startswith("taco_llm_lookahead"):
+                    values[sample.name] = values.get(sample.name, 0.0) + sample.value
+        return values
+
+    def accepted(self) -> float:
+        return self.metrics().get("taco_llm_lookahead_accepted_tokens_total", 0.0)
+
+    def accepted_during(self, messages: list[dict[str, str]], max_tokens: int = MAX_TOKENS) -> tuple[float, str]:
+        """Drafted tokens the model accepted while answering one chat request, and the answer."""
+        before = self.accepted()
+        reply = self.client().chat.completions.create(model=MODEL, messages=messages,  # type: ignore[arg-type]
+                                                      temperature=0, max_tokens=max_tokens)
+        return self.accepted() - before, reply.choices[0].message.content or ""
+
+    def records_in_redis(self) -> int:
+        channel = grpc.insecure_channel(f"127.0.0.1:{self.cache_port}")
+        try:
+            stub = lookahead_pb2_grpc.LookaheadIndexStub(channel)
+            total = 0
+            for namespace in self.namespaces():
+                total += stub.GetStats(lookahead_pb2.GetStatsRequest(namespace=namespace), timeout=10).records
+            return total
+        finally:
+            channel.close()
+
+    def namespaces(self) -> list[str]:
+        import redis
+
+        assert self.redis is not None
+        client = redis.Redis(port=self.redis.port)
+        try:
+            return [key.decode().removeprefix("taco_llm:lookahead:") for key in client.scan_iter("taco_llm:*")]
+        finally:
+            client.close()
+
+
+def token_ids(client: openai.OpenAI, prompt: str) -> list[int]:
+    reply = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS,
+                                      extra_body={"return_token_ids": True})
+    return list(extra(reply.choices[0], "token_ids"))
+
+
+@pytest.fixture(scope="module")
+def warmup_answer(client: openai.OpenAI) -> tuple[str, list[int], list[int]]:
+    """A question and the tokens of its prompt and of the model's greedy answer, from the plain stack."""
+    question = "Describe the lighthouse keeper's morning routine in detail."
+    reply = client.chat.completions.create(model=MODEL, messages=chat(question),  # type: ignore[arg-type]
+                                           temperature=0, max_tokens=MAX_TOKENS,
+                                           extra_body={"return_token_ids": True})
+    prompt_ids = list(extra(reply, "prompt_token_ids"))
+    return question, prompt_ids, list(extra(reply.choices[0], "token_ids"))
+
+
+@pytest.fixture(scope="module")
+def shared(log_dir: Path, tmp_path_factory: pytest.TempPathFactory, model_dir: Path,
+           warmup_answer: tuple[str, list[int], list[int]]) -> Iterator[Deployment]:
+    config_dir = tmp_path_factory.mktemp("lookahead-shared")
+    (config_dir / "lookahead_cache_config.json").write_text(json.dumps({"log_interval": 5}))
+    _, prompt_ids, answer_ids = warmup_answer
+    (config_dir / "lookahead_cache_warmup.json").write_text(json.dumps([{"prompt": prompt_ids,
+                                                                          "output": answer_ids}]))
+    redis = RedisServer(free_port(), tmp_path_factory.mktemp("redis"))
+    deployment = Deployment(log_dir, config_dir, redis)
+    try:
+        deployment.start()
+        yield deployment
+    finally:
+        deployment.stop()
+
+
+@pytest.fixture(scope="module")
+def per_request(log_dir: Path, tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[Deployment]:
+    config_dir = tmp_path_factory.mktemp("lookahead-local")
+    (config_dir / "lookahead_cache_config.json").write_text(json.dumps({"global_cache_switch": False}))
+    deployment = Deployment(log_dir, config_dir, None)
+    try:
+        deployment.start()
+        yield deployment
+    finally:
+        deployment.stop()
+
+
+async def _all_token_ids(base_url: str, prompts: list[str]) -> list[list[int]]:
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    replies = await asyncio.gather(*(
+        client.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=MAX_TOKENS,
+                                  extra_body={"return_token_ids": True}) for p in prompts))
+    await client.close()
+    return [list(extra(r.choices[0], "token_ids")) for r in replies]
+
+
+@pytest.mark.parametrize("batch", [1, 4, 8])
+def test_greedy_output_is_identical_to_no_speculation(stack: Stack, shared: Deployment, batch: int) -> None:
+    prompts = COPY_PROMPTS[:batch]
+    expected = asyncio.run(_all_token_ids(stack.base_url, prompts))
+    before = shared.accepted()
+    got = asyncio.run(_all_token_ids(shared.base_url, prompts))
+    for prompt, want, have in zip(prompts, expected, got, strict=True):
+        assert have == want, f"lookahead changed the greedy output of {prompt[:60]!r}"
+    assert shared.accepted() > before, "no draft was accepted, so this proved nothing"
+
+
+def _first_tokens(base_url: str, seed: int) -> list[str]:
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    reply = client.completions.create(model=MODEL, prompt=COPY_PROMPTS[1], temperature=1.0, max_tokens=4, n=25,
+                                      seed=seed)
+    return [choice.text for choice in reply.choices]
+
+
+def _chi_square(a: Counter[str], b: Counter[str]) -> float:
+    total_a, total_b = sum(a.values()), sum(b.values())
+    stat = 0.0
+    for key in set(a) | set(b):
+        pooled = (a[key] + b[key]) / (total_a + total_b)
+        for count, total in ((a[key], total_a), (b[key], total_b)):
+            expected = pooled * total
+            stat += (count - expected) ** 2 / expected
+    return stat
+
+
+def test_sampling_distribution_is_unchanged(stack: Stack, shared: Deployment) -> None:
+    """Sampled continuations with and without drafts come from the same distribution: a permutation
+    test on the chi-square statistic of the two samples (vLLM's rejection sampler guarantees this; the
+    test shows it holds for our drafts)."""
+    before = shared.accepted()
+    plain = [text for seed in range(8) for text in _first_tokens(stack.base_url, seed)]
+    drafted = [text for seed in range(8) for text in _first_tokens(shared.base_url, 100 + seed)]
+    assert shared.accepted() > before, "no draft was accepted while sampling"
+    observed = _chi_square(Counter(plain), Counter(drafted))
+    pooled, rng, extreme, rounds = plain + drafted, random.Random(0), 0, 2000
+    for _ in range(rounds):
+        rng.shuffle(pooled)
+        if _chi_square(Counter(pooled[:len(plain)]), Counter(pooled[len(plain):])) >= observed:
+            extreme += 1
+    p_value = (extreme + 1) / (rounds + 1)
+    assert p_value > 0.001, f"sampled continuations differ with drafts on (p={p_value:.4f})"
+
+
+def test_warmup_file_feeds_the_first_request(shared: Deployment,
+                                             warmup_answer: tuple[str, list[int], list[int]]) -> None:
+    question, _, _ = warmup_answer
+    accepted, _ = shared.accepted_during(chat(question))
+    assert accepted >= MAX_TOKENS // 2, f"only {accepted} tokens accepted from the warm-up record"
+
+
+def test_one_requests_output_drafts_anothers(shared: Deployment) -> None:
+    question = chat("Write a short story about a robot who learns to paint.")
+    cold, answer = shared.accepted_during(question)
+    warm, again = shared.accepted_during(question)
+    assert again == answer
+    assert warm > cold + MAX_TOKENS // 4, f"a repeated request accepted {warm} drafted tokens, the first {cold}"
+
+
+def test_per_request_mode_has_no_cross_request_drafts(per_request: Deployment) -> None:
+    question = chat("Write a short story about a robot who learns to paint.")
+    first, answer = per_request.accepted_during(question)
+    second, again = per_request.accepted_during(question)
+    assert again == answer
+    # Drafts come only from the request's own tokens, so the identical request drafts identically.
+    assert second == first
+
+
+def test_a_restarted_worker_drafts_from_the_index_in_redis(shared: Deployment) -> None:
+    question = chat("Explain how a bicycle gear system works to a child.")
+    cold, answer = shared.accepted_during(question)
+    wait_for(lambda: shared.metrics().get("taco_llm_lookahead_sync_pending_records", 1) == 0, "publish")
+    shared.stop_worker()
+    shared.start_worker()
+    wait_for(shared.ready, "the gateway to reconnect")
+    warm, again = shared.accepted_during(question)
+    assert again == answer
+    assert warm > cold + MAX_TOKENS // 4, f"after a restart: {warm} accepted tokens, cold {cold}"
+
+
+def test_restarting_redis_and_the_cache_service_keeps_the_index(shared: Deployment) -> None:
+    question = chat("Give three tips for keeping houseplants alive in winter.")
+    cold, answer = shared.accepted_during(question)
+    wait_for(lambda: shared.metrics().get("taco_llm_lookahead_sync_pending_records", 1) == 0, "publish")
+    records = shared.records_in_redis()
+    shared.stop_worker()
+    shared.stop_cache()
+    assert shared.redis is not None
+    shared.redis.stop()
+    shared.redis.start()
+    shared.start_cache()
+    assert shared.records_in_redis() == records, "Redis came back without its append-only log"
+    shared.start_worker()
+    wait_for(shared.ready, "the gateway to reconnect")
+    warm, again = shared.accepted_during(question)
+    assert again == answer
+    assert warm > cold + MAX_TOKENS // 4, f"after restarting everything: {warm} accepted tokens, cold {cold}"
+
+
+def test_requests_complete_while_redis_is_down_and_sync_resumes(stack: Stack, client: openai.OpenAI,
+                                                               shared: Deployment) -> None:
+    assert shared.redis is not None
+    records = shared.records_in_redis()
+    shared.redis.stop()
+    prompts = COPY_PROMPTS[2:6]
+    expected = asyncio.run(_all_token_ids(stack.base_url, prompts))
+    assert asyncio.run(_all_token_ids(shared.base_url, prompts)) == expected
+    wait_for(lambda: shared.metrics().get("taco_llm_lookahead_sync_connected") == 0, "the worker to notice")
+    shared.redis.start()
+    # What finished while Redis was away reaches it once it is back.
+    wait_for(lambda: shared.records_in_redis() >= records + len(prompts), "the backlog to be published", 60)
+    wait_for(lambda: shared.metrics().get("taco_llm_lookahead_sync_connected") == 1, "the worker to reconnect")
+    # And the subscription resumed: a sequence another worker publishes now is drafted from here.
+    question = "Describe a busy morning at a fish market."
+    reply = client.chat.completions.create(model=MODEL, messages=chat(question),  # type: ignore[arg-type]
+                                           temperature=0, max_tokens=MAX_TOKENS,
+                                           extra_body={"return_token_ids": True})
+    record = lookahead_pb2.Record(prompt=extra(reply, "prompt_token_ids"),
+                                  output=extra(reply.choices[0], "token_ids"), origin="another-worker",
+                                  created_unix=time.time())
+    (namespace,) = shared.namespaces()
+    with grpc.insecure_channel(f"127.0.0.1:{shared.cache_port}") as channel:
+        lookahead_pb2_grpc.LookaheadIndexStub(channel).Publish(
+            lookahead_pb2.PublishRequest(namespace=namespace, records=[record]), timeout=10)
+    wait_for(lambda: shared.metrics().get("taco_llm_lookahead_index_tokens", 0) > 0, "the record to arrive")
+    time.sleep(2)
+    accepted, answer = shared.accepted_during(chat(question))
+    assert answer == reply.choices[0].message.content
+    assert accepted >= MAX_TOKENS // 2, f"only {accepted} tokens accepted from another worker's record"
+
+
+def wait_for(condition: object, what: str, timeout: float = 30.0) -> None:
+    assert callable(condition)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if condition():
+                return
+        except (OSError, grpc.RpcError):
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _worker_start_error(args: list[str]) -> tuple[int, str]:
+    run = subprocess.run([sys.executable, "-m", "taco_llm.cli", "worker", *ENGINE_FLAGS, "--grpc-port",
+                          str(free_port()), *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return run.returncode, run.stdout + run.stderr
+
+
+def test_bad_lookahead_configs_fail_at_start_with_a_clear_error(tmp_path: Path, model_dir: Path) -> None:
+    code, output = _worker_start_error(["--lookahead-cache-config-dir", str(tmp_path / "absent")])
+    assert code != 0 and "no such directory" in output and "Traceback" not in output
+    (tmp_path / "lookahead_cache_config.json").write_text(json.dumps({"copy_length": 4, "decay_rate": 0.1}))
+    code, output = _worker_start_error(["--lookahead-cache-config-dir", str(tmp_path)])
+    assert code != 0 and "unknown key 'decay_rate'" in output and "Traceback" not in output
+    (tmp_path / "lookahead_cache_config.json").write_text("{}")
+    (tmp_path / "lookahead_cache_warmup.json").write_text(json.dumps([{"prompt": [1, 2], "output": [10**7]}]))
+    code, output = _worker_start_error(["--lookahead-cache-config-dir", str(tmp_path)])
+    assert code != 0 and "outside the model's vocabulary" in output and "Traceback" not in output

@@ -1,0 +1,122 @@
+"""The lookahead index and drafter, on fixed token sequences (no engine)."""
+
+from __future__ import annotations
+
+import random
+import tracemalloc
+from array import array
+
+from engine_worker.lookahead.config import LookaheadCacheConfig
+from engine_worker.lookahead.index import Drafter, TokenIndex
+from engine_worker.lookahead.proposer import RequestState
+
+GiB = 1 << 30
+
+
+def own_index(drafter: Drafter, tokens: list[int]) -> TokenIndex:
+    own = drafter.new_index()
+    own.extend(tokens, 0)
+    return own
+
+
+def tail(index: TokenIndex) -> array[int]:
+    return index.tokens[-16:]
+
+
+def test_drafts_continue_the_requests_own_earlier_text() -> None:
+    drafter = Drafter(LookaheadCacheConfig(), GiB)
+    own = own_index(drafter, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 50, 51, 1, 2, 3])
+    assert drafter.draft(tail(own), own, 7) == [4, 5, 6, 7, 8, 9, 10]
+    assert drafter.draft(tail(own), own, 3) == [4, 5, 6]
+
+
+def test_drafts_come_from_other_requests_through_the_shared_index() -> None:
+    drafter = Drafter(LookaheadCacheConfig(), GiB)
+    drafter.add_shared([90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 101])
+    own = own_index(drafter, [7, 90, 91, 92, 93, 94, 95, 96])
+    assert drafter.draft(tail(own), own, 4) == [97, 98, 99, 100]
+    # A sequence boundary ends the draft: the next sequence's tokens never follow.
+    drafter.add_shared([5, 6])
+    assert drafter.draft(tail(own), own, 10) == [97, 98, 99, 100, 101]
+
+
+def test_per_request_mode_never_drafts_from_others() -> None:
+    drafter = Drafter(LookaheadCacheConfig(global_cache_switch=False), GiB)
+    drafter.add_shared([90, 91, 92, 93, 94, 95, 96, 97, 98, 99])
+    own = own_index(drafter, [7, 90, 91, 92, 93, 94, 95, 96])
+    assert drafter.shared_tokens() == 0
+    assert drafter.draft(tail(own), own, 4) == []
+
+
+def test_short_shared_matches_need_threshold_occurrences() -> None:
+    drafter = Drafter(LookaheadCacheConfig(threshold=2.0), GiB)
+    drafter.add_shared([11, 12, 13, 14])
+    own = own_index(drafter, [40, 41, 11, 12])  # a 2-token match: shorter than turbo_match_length
+    assert drafter.draft(tail(own), own, 2) == []
+    drafter.add_shared([77, 11, 12, 13, 14])
+    assert drafter.draft(tail(own), own, 2) == [13, 14]
+
+
+def test_the_more_frequent_continuation_wins_and_a_fork_without_majority_stops() -> None:
+    config = LookaheadCacheConfig(threshold=0, token_paths_top_k=2)
+    drafter = Drafter(config, GiB)
+    for _ in range(3):
+        drafter.add_shared([1, 2, 3, 4, 5, 6, 7, 8, 20, 21])
+    drafter.add_shared([1, 2, 3, 4, 5, 6, 7, 8, 30, 31])
+    own = own_index(drafter, [1, 2, 3, 4, 5, 6, 7])
+    assert drafter.draft(tail(own), own, 3) == [8, 20, 21]
+    even = Drafter(LookaheadCacheConfig(threshold=0, token_paths_top_k=1), GiB)
+    even.add_shared([1, 2, 3, 4, 5, 6, 7, 8, 20])
+    even.add_shared([1, 2, 3, 4, 5, 6, 7, 8, 30])
+    assert even.draft(tail(own), own, 3) == [8]  # top_k 1 demands unanimity
+
+
+def test_drafts_stop_at_end_of_sequence() -> None:
+    drafter = Drafter(LookaheadCacheConfig(eos_token_id=2), GiB)
+    own = own_index(drafter, [5, 6, 7, 2, 9, 9, 5, 6, 7])
+    assert drafter.draft(tail(own), own, 5) == [2]
+
+
+def test_raw_mode_matches_exactly_match_length_tokens() -> None:
+    drafter = Drafter(LookaheadCacheConfig(cache_mode=0, match_length=3, min_match_length=3), GiB)
+    own = own_index(drafter, [1, 2, 3, 4, 5, 9, 2, 3])
+    assert drafter.draft(tail(own), own, 2) == []  # only 2 tokens match
+    own.extend([4], 0)
+    assert drafter.draft(tail(own), own, 2) == [5, 9]
+
+
+def test_the_index_stays_within_its_memory_bound_under_a_flood() -> None:
+    budget = 8 * 1024 * 1024
+    drafter = Drafter(LookaheadCacheConfig(), budget)
+    rng = random.Random(0)
+    tracemalloc.start()
+    try:
+        for _ in range(400):
+            drafter.add_shared([rng.randrange(49152) for _ in range(500)])
+            assert drafter.shared_bytes() <= budget
+        measured, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert drafter.rotations >= 2, "the flood is larger than the budget, so old generations were dropped"
+    assert measured <= budget, f"the index allocated {measured} bytes against a budget of {budget}"
+
+
+def test_cache_size_bounds_the_tokens_held() -> None:
+    drafter = Drafter(LookaheadCacheConfig(cache_size=1000), GiB)
+    for start in range(0, 10_000, 100):
+        drafter.add_shared(list(range(start, start + 100)))
+        assert drafter.shared_tokens() <= 1000 + 101
+
+
+def test_draft_budget_follows_acceptance() -> None:
+    state = RequestState(own=TokenIndex((2,), 16), num_prompt=0, cap=7)
+    state.drafted = 7
+    assert state.record_verdict(num_sampled=8, copy_length=7) == 7 and state.cap == 7
+    state.drafted = 7
+    assert state.record_verdict(num_sampled=3, copy_length=7) == 2 and state.cap == 3
+    state.drafted = 3
+    assert state.record_verdict(num_sampled=1, copy_length=7) == 0
+    assert state.cap == 1 and state.skip == 1
+    state.drafted = 1
+    state.record_verdict(num_sampled=1, copy_length=7)
+    assert state.skip == 3, "repeated misses back off for longer"
