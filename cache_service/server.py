@@ -11,10 +11,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from protos import kv_cache_pb2, kv_cache_pb2_grpc
+from protos import kv_cache_pb2, kv_cache_pb2_grpc, lookahead_pb2, lookahead_pb2_grpc
 
 from .config import CacheServiceConfig
 from .kv_servicer import CHUNK_BYTES, KVBlockStoreServicer
+from .lookahead_servicer import LookaheadIndexServicer
 
 logger = logging.getLogger(__name__)
 
@@ -34,10 +35,12 @@ class Servicer:
 def servicers(config: CacheServiceConfig) -> list[Servicer]:
     """Every service of the cache service, in one place. Each gets the whole config."""
     kv = KVBlockStoreServicer(config)
+    lookahead = LookaheadIndexServicer(config.redis_url)
     return [
         Servicer(kv_cache_pb2.DESCRIPTOR.services_by_name["KVBlockStore"].full_name,
                  lambda server: kv_cache_pb2_grpc.add_KVBlockStoreServicer_to_server(kv, server)),
-        # The lookahead n-gram index (cache_service/lookahead_*.py, config.redis_url) registers here.
+        Servicer(lookahead_pb2.DESCRIPTOR.services_by_name["LookaheadIndex"].full_name,
+                 lambda server: lookahead_pb2_grpc.add_LookaheadIndexServicer_to_server(lookahead, server)),
     ]
 
 

@@ -12,6 +12,8 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from . import frontend_args
 from .frontend_args import FrontendOptions
+from .kv_offload.args import add_offload_args, apply_offload_args
+from .lookahead.args import LookaheadOptions, add_lookahead_args, lookahead_options
 
 # On CPU vLLM sizes the KV cache from 92% of the NUMA node's memory and fails when that much is not
 # free; a fixed size starts reliably. Compiling takes ~110 s there and once gave bf16 nonsense, so the
@@ -27,7 +29,10 @@ class WorkerArgs:
     uses_default_model: bool
     log_stats_interval: float
     api_key: str | None = None
+    lookahead: LookaheadOptions | None = None
     frontend: FrontendOptions | None = None
+    cache_service: str | None = None  # HOST:PORT of the cache service (prefix-KV offload, lookahead)
+    metrics_port: int | None = None
 
 
 def build_parser() -> FlexibleArgumentParser:
@@ -45,6 +50,11 @@ def build_parser() -> FlexibleArgumentParser:
                         "but the health service's")
     parser.add_argument("--log-stats-interval", type=float, default=10.0,
                         help="seconds between engine statistics log lines (unless --disable-log-stats)")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics (vLLM's and the Lookahead Cache's) over HTTP on this "
+                        "port, at the --grpc-host address")
+    add_lookahead_args(parser)
+    add_offload_args(parser)
     frontend_args.add_cli_args(parser)
     parser = AsyncEngineArgs.add_cli_args(parser)
     if current_platform.is_cpu():
@@ -61,14 +71,18 @@ def parse(argv: Sequence[str]) -> WorkerArgs:
     explicit_model = args.model_tag is not None or any(
         a == "--model" or a.startswith("--model=") for a in argv
     )
-    if not 0 < args.grpc_port < 65536:
-        parser.error(f"--grpc-port {args.grpc_port} is not a TCP port")
+    for flag, port in (("--grpc-port", args.grpc_port), ("--metrics-port", args.metrics_port)):
+        if port is not None and not 0 < port < 65536:
+            parser.error(f"{flag} {port} is not a TCP port")
     if args.log_stats_interval <= 0:
         parser.error(f"--log-stats-interval must be positive, got {args.log_stats_interval}")
+    lookahead = lookahead_options(args, parser)
+    cache_service = apply_offload_args(args, parser)
     frontend = frontend_args.from_cli_args(parser, args, _tokenizer_source(args, explicit_model))
     engine = AsyncEngineArgs.from_cli_args(args)
     return WorkerArgs(engine, args.grpc_host, args.grpc_port, not explicit_model, args.log_stats_interval,
-                      args.api_key or None, frontend=frontend)
+                      args.api_key or None, lookahead=lookahead, frontend=frontend,
+                      cache_service=cache_service, metrics_port=args.metrics_port)
 
 
 def _tokenizer_source(args: argparse.Namespace, explicit_model: bool) -> str:

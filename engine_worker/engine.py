@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.v1.engine.async_llm import AsyncLLM
-from vllm.v1.metrics.loggers import LoggingStatLogger, StatLoggerBase
+from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger, StatLoggerBase
 from vllm.v1.metrics.stats import IterationStats, SchedulerStats
 
 from .default_model import DEFAULT_MODEL_NAME, ensure_default_model
@@ -52,9 +52,11 @@ def resolve_default_model(engine_args: AsyncEngineArgs) -> None:
         engine_args.served_model_name = [DEFAULT_MODEL_NAME]
 
 
-def start_engine(engine_args: AsyncEngineArgs) -> AsyncLLM:
+def start_engine(engine_args: AsyncEngineArgs, prometheus: bool = False) -> AsyncLLM:
     # Custom loggers replace vLLM's default ones; keep its periodic log line unless asked not to.
-    loggers: list[type[StatLoggerBase]] = [LoadTracker]
+    loggers: list[type[StatLoggerBase] | type[PrometheusStatLogger]] = [LoadTracker]
     if not engine_args.disable_log_stats:
         loggers.append(LoggingStatLogger)
+    if prometheus:
+        loggers.append(PrometheusStatLogger)
     return AsyncLLM.from_engine_args(engine_args, stat_loggers=loggers)  # type: ignore[arg-type]

@@ -7,15 +7,19 @@ import contextlib
 import logging
 
 import grpc
+import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.metrics.prometheus import get_prometheus_registry, setup_multiprocess_prometheus
 
 from protos import engine_pb2, engine_pb2_grpc
 
 from .args import WorkerArgs
 from .auth import ApiKeyInterceptor
 from .engine import resolve_default_model, start_engine
+from .lookahead.args import configure_lookahead
+from .lookahead.config import ConfigError
 from .service import EngineService
 
 logger = logging.getLogger(__name__)
@@ -32,11 +36,25 @@ async def _log_stats(engine: AsyncLLM, interval: float) -> None:
         await engine.do_log_stats()
 
 
+def _served_names(args: WorkerArgs) -> list[str]:
+    return list(args.engine.served_model_name or [args.engine.model])
+
+
 async def serve(args: WorkerArgs, stop: asyncio.Event) -> int:
     if args.uses_default_model:
         resolve_default_model(args.engine)
-    engine = start_engine(args.engine)
-    served = list(args.engine.served_model_name or [args.engine.model])
+    if args.lookahead is not None:
+        try:
+            configure_lookahead(args.lookahead, args.engine, _served_names(args)[0],
+                                getattr(args, "cache_service", None))
+        except ConfigError as error:
+            logger.error("%s", error)
+            return 1
+    if args.metrics_port is not None:
+        # Before the engine starts, so that its processes write their metrics where we can read them.
+        setup_multiprocess_prometheus()
+    engine = start_engine(args.engine, prometheus=args.metrics_port is not None)
+    served = _served_names(args)
     engine_died = asyncio.Event()
     service = EngineService(engine, served, on_engine_dead=engine_died.set, frontend=args.frontend)
 
@@ -60,6 +78,15 @@ async def serve(args: WorkerArgs, stop: asyncio.Event) -> int:
         logger.error("cannot listen on %s (--grpc-host/--grpc-port): %s", address, error)
         return 1
     await server.start()
+    if args.metrics_port is not None:
+        try:
+            prometheus_client.start_http_server(args.metrics_port, args.grpc_host, get_prometheus_registry())
+        except OSError as error:
+            logger.error("cannot serve metrics on %s:%d (--metrics-port): %s", args.grpc_host, args.metrics_port,
+                         error)
+            await server.stop(0)
+            engine.shutdown()
+            return 1
     for name in ("", ENGINE_SERVICE):
         await health_service.set(name, health_pb2.HealthCheckResponse.SERVING)
     print(f"taco_llm worker: serving {', '.join(served)} over gRPC at {address}", flush=True)

@@ -93,3 +93,38 @@ def start_stack(name: str, extra: list[str], log_dir: Path) -> Stack:
     base_url = f"http://127.0.0.1:{port}"
     wait_until(process, lambda: http_status(f"{base_url}/health") == 200)
     return Stack(process, base_url, f"127.0.0.1:{grpc_port}")
+
+
+@dataclass
+class RedisServer:
+    """A real redis-server on a free port, with append-only persistence in its own folder."""
+
+    port: int
+    folder: Path
+    popen: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        log = (self.folder / "redis.log").open("ab")
+        self.popen = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder),
+             "--appendonly", "yes", "--appendfsync", "always", "--save", ""],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return
+            time.sleep(0.1)
+        raise RuntimeError(f"redis-server did not listen on {self.port}")
+
+    def stop(self) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.terminate()
+            self.popen.wait(20)
+        self.popen = None
