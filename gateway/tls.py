@@ -46,9 +46,14 @@ def tls_options(certfile: str | None, keyfile: str | None, ca_certs: str | None,
         _readable("--ssl-ca-certs", ca_certs)
     elif cert_reqs:
         raise TlsError(f"--ssl-cert-reqs {cert_reqs} needs --ssl-ca-certs to verify client certificates against")
+    def no_password() -> str:
+        # Without this OpenSSL would prompt on the terminal, and a service start would hang there.
+        raise TlsError(f"--ssl-keyfile {keyfile or certfile}: the private key is encrypted; give an "
+                       "unencrypted key (there is no flag for its password)")
+
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
-        context.load_cert_chain(certfile, keyfile)
+        context.load_cert_chain(certfile, keyfile, no_password)
     except (ssl.SSLError, OSError) as error:
         flags = "--ssl-certfile/--ssl-keyfile" if keyfile else "--ssl-certfile (no --ssl-keyfile given)"
         raise TlsError(f"{flags}: cannot load the certificate and its private key: {error}") from None

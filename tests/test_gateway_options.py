@@ -23,6 +23,7 @@ import grpc
 import httpx
 import openai
 import pytest
+from cryptography.hazmat.primitives import serialization
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import engine_pb2, engine_pb2_grpc
@@ -226,6 +227,12 @@ def test_bad_tls_files_are_named(tmp_path: Path, certs: Certificates) -> None:
     bad_ca = _refused(*base, "--ssl-certfile", str(certs.server_cert), "--ssl-keyfile", str(certs.server_key),
                       "--ssl-ca-certs", str(garbage))
     assert "--ssl-ca-certs" in bad_ca.stderr
+    encrypted = tmp_path / "encrypted.key"
+    key = serialization.load_pem_private_key(certs.server_key.read_bytes(), None)
+    encrypted.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                            serialization.BestAvailableEncryption(b"secret")))
+    locked = _refused(*base, "--ssl-certfile", str(certs.server_cert), "--ssl-keyfile", str(encrypted))
+    assert "--ssl-keyfile" in locked.stderr and "encrypted" in locked.stderr
     bad_reqs = _refused(*base, "--ssl-cert-reqs", "always")
     assert "--ssl-cert-reqs" in bad_reqs.stderr
     # taco_llm serve checks them before it starts the engine (so this returns at once).
