@@ -57,6 +57,7 @@ class StoreCounters:
     bytes_stored: int = 0
     blocks_below_threshold: int = 0
     blocks_evicted: int = 0
+    reads_in_progress: int = 0
 
 
 @dataclass
@@ -135,10 +136,12 @@ class BlockStore:
             blocks.append(block)
         for block in blocks:
             block.readers += 1
+        self.counters.reads_in_progress += 1
         self._touch(list(keys))
         return blocks
 
     def release(self, blocks: Sequence[Block], served: bool) -> None:
+        self.counters.reads_in_progress -= 1
         for block in blocks:
             block.readers -= 1
             if served:

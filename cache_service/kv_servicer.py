@@ -152,7 +152,7 @@ class KVBlockStoreServicer(kv_cache_pb2_grpc.KVBlockStoreServicer):
             blocks_stored=counters.blocks_stored, blocks_below_threshold=counters.blocks_below_threshold,
             blocks_evicted=counters.blocks_evicted, bytes_stored=counters.bytes_stored,
             bytes_served=counters.bytes_served, min_access_threshold=store.min_access_threshold,
-            hit_counts_enabled=store.count_hits,
+            hit_counts_enabled=store.count_hits, reads_in_progress=counters.reads_in_progress,
         )
         if store.count_hits:
             reply.top_hits.extend(kv_cache_pb2.BlockHits(key=k, hits=h) for k, h in store.top_hits(TOP_HITS_REPORTED))

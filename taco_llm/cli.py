@@ -11,6 +11,7 @@ commands:
   serve [MODEL] [options]      an engine worker and the OpenAI gateway together (default: the bundled model)
   worker [MODEL] [options]     an engine worker alone: vLLM behind the gRPC service in protos/
   gateway --engine HOST:PORT   the OpenAI-compatible HTTP gateway alone, in front of running workers
+  cache-service [options]      the cache service alone: prefix-KV blocks shared by workers (protos/)
 
 `taco_llm COMMAND -h` lists a command's options.
 """
@@ -39,7 +40,15 @@ def serve(argv: Sequence[str]) -> int:
     base_url = f"{scheme}://{probe_host(args.host)}:{args.port}"
     # The gateway has checked the files (check_gateway_args), so this loads them without surprises.
     context = probe_ssl_context(args.ssl_certfile, args.ssl_keyfile) if args.ssl_certfile else None
-    return run(worker_argv, gateway_argv, base_url, args.ready_timeout, args.api_key, context,
+    cache_argv = None
+    if args.cache_service_argv is not None:
+        from cache_service.config import parse as check_cache_service_args
+
+        cache_argv = ["--grpc-host", "127.0.0.1", "--grpc-port", str(args.cache_service_port),
+                      *args.cache_service_argv]
+        check_cache_service_args(cache_argv)  # a bad value is refused now, naming its flag
+        worker_argv += ["--cache-service", f"127.0.0.1:{args.cache_service_port}"]
+    return run(worker_argv, gateway_argv, base_url, args.ready_timeout, args.api_key, context, cache_argv,
                single_process=args.single_process)
 
 
@@ -59,6 +68,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from gateway.__main__ import main as gateway_main
 
         return gateway_main(rest)
+    if command == "cache-service":
+        from cache_service.__main__ import main as cache_service_main
+
+        return cache_service_main(rest)
     print(f"taco_llm: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
     return 2
 

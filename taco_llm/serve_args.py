@@ -48,6 +48,10 @@ class ServeArgs:
     api_key: str | None = None
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
+    # The cache service serve starts (prefix-KV offload on, no --cache-service given): its flags and
+    # port; None when none is started.
+    cache_service_argv: list[str] | None = None
+    cache_service_port: int = 50052
     # --disable-frontend-multiprocessing: the worker and the gateway in one process.
     single_process: bool = False
 
@@ -81,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve = parser.add_argument_group("taco_llm serve")
     serve.add_argument("--grpc-host", default="127.0.0.1", help="where the engine worker's gRPC service listens")
     serve.add_argument("--grpc-port", type=int, default=50051, help="the engine worker's gRPC port")
+    serve.add_argument("--cache-service", default=None, metavar="HOST:PORT",
+                       help="a running cache service (taco_llm cache-service) for the worker; with "
+                       "--enable-prefix-cache-offload and none given, serve starts one")
+    serve.add_argument("--cache-service-port", type=int, default=50052,
+                       help="the port of the cache service serve starts")
     serve.add_argument("--ready-timeout", type=float, default=900.0,
                        help="seconds to wait for the engine to become ready before giving up")
     return parser
@@ -211,17 +220,21 @@ def parse(argv: Sequence[str]) -> ServeArgs:
     warnings: list[str] = []
     gateway_argv: list[str] = []
     worker_argv: list[str] = [*model]
+    cache_argv: list[str] = []
     for name, value in given.items():
         flag = BY_NAME[name]
         if flag.kind == "gateway":
             gateway_argv += _emit(flag, value)
         elif flag.kind in ("pass", "taco"):
             worker_argv += _emit(flag, value)
+        elif flag.kind == "cache":
+            cache_argv += _emit(flag, value)
         elif flag.kind == "noop":
             warnings.append(f"{name} has no effect on vLLM's V1 engine: {flag.note}")
         elif flag.kind in ("refuse", "pending"):
             errors.append(f"{name}: {flag.note}")
     worker_argv += _mapped(given, errors)
+    cache_service_argv = _cache_service(given, namespace.cache_service, cache_argv, worker_argv, errors)
     # One key guards both hops: HTTP clients to the gateway, and the gateway to the worker.
     api_key = str(given.get("--api-key") or os.environ.get("VLLM_API_KEY") or "") or None
     if api_key:
@@ -233,9 +246,27 @@ def parse(argv: Sequence[str]) -> ServeArgs:
     port = _number("--port", str(given.get("--port", 8000)), int, errors)
     if errors:
         raise ServeArgsError("\n".join(errors))
-    for flag_name, number in (("--port", port), ("--grpc-port", namespace.grpc_port)):
+    for flag_name, number in (("--port", port), ("--grpc-port", namespace.grpc_port),
+                              ("--cache-service-port", namespace.cache_service_port)):
         if not 0 < number < 65536:
             raise ServeArgsError(f"{flag_name} {number} is not a TCP port")
     return ServeArgs(gateway_argv, worker_argv + extra, namespace.grpc_host, namespace.grpc_port, host, port,
                      namespace.ready_timeout, warnings, api_key, given.get("--ssl-certfile"),
-                     given.get("--ssl-keyfile"), single_process=bool(given.get("--disable-frontend-multiprocessing")))
+                     given.get("--ssl-keyfile"), cache_service_argv, namespace.cache_service_port,
+                     single_process=bool(given.get("--disable-frontend-multiprocessing")))
+
+
+def _cache_service(given: dict[str, Any], address: str | None, cache_argv: list[str], worker_argv: list[str],
+                   errors: list[str]) -> list[str] | None:
+    """The flags of the cache service serve starts, or None when it starts none."""
+    offload = bool(given.get("--enable-prefix-cache-offload"))
+    names = [n for n in given if BY_NAME[n].kind == "cache"]
+    if names and not offload:
+        errors.append(f"{', '.join(names)}: needs --enable-prefix-cache-offload")
+    if address is not None:
+        worker_argv += ["--cache-service", address]
+        if names:
+            errors.append(f"{', '.join(names)}: set on the cache service at {address} itself (serve starts "
+                          "none when --cache-service is given)")
+        return None
+    return cache_argv if offload else None

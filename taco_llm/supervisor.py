@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from types import FrameType
 
 STOP_GRACE_SECONDS = 20.0
+CACHE_SERVICE_RESTARTS = 10
 
 
 @dataclass
@@ -105,8 +106,12 @@ class Supervisor:
 
 def serve(worker_argv: list[str], gateway_argv: list[str], base_url: str, ready_timeout: float,
           api_key: str | None = None, ssl_context: ssl.SSLContext | None = None,
-          single_process: bool = False) -> int:
+          cache_service_argv: list[str] | None = None, single_process: bool = False) -> int:
     python = sys.executable
+    # The cache service first and stopped last: the worker reconnects to it with backoff meanwhile.
+    cache_argv = [python, "-m", "cache_service", *(cache_service_argv or [])]
+    cache = [_start("cache service", cache_argv)] if cache_service_argv is not None else []
+    cache_restarts = 0
     if single_process:
         one = _start("engine worker and gateway", [python, "-m", "taco_llm.single_process",
                                                    json.dumps({"worker": worker_argv, "gateway": gateway_argv})])
@@ -117,7 +122,7 @@ def serve(worker_argv: list[str], gateway_argv: list[str], base_url: str, ready_
         gateway = _start("gateway", [python, "-m", "gateway", *gateway_argv])
         children = [worker, gateway]
         what = f"the engine worker (pid {worker.process.pid}) and the gateway (pid {gateway.process.pid})"
-    supervisor = Supervisor(children)
+    supervisor = Supervisor([*cache, *children])
     supervisor.install_signal_handlers()
     print(f"taco_llm: starting {what}; the API will be at {base_url}", flush=True)
     started = time.monotonic()
@@ -126,6 +131,14 @@ def serve(worker_argv: list[str], gateway_argv: list[str], base_url: str, ready_
     try:
         while not supervisor.stopping:
             dead = supervisor.exited()
+            if dead is not None and cache and dead is cache[0] and cache_restarts < CACHE_SERVICE_RESTARTS:
+                # Losing the cache service costs no request (the worker recomputes and reconnects), so
+                # it is restarted, empty, rather than taking serve down.
+                cache_restarts += 1
+                print(f"taco_llm: the cache service exited with code {dead.process.returncode}; restarting it",
+                      flush=True)
+                dead.process = _start(dead.name, cache_argv).process
+                continue
             if dead is not None:
                 code = dead.process.returncode or 1
                 print(f"taco_llm: the {dead.name} exited with code {dead.process.returncode}; stopping",

@@ -25,3 +25,17 @@ def test_compose_commands_parse() -> None:
     settings = parse_gateway(gateway[2:])  # type: ignore[index]
     assert settings.engines == [f"worker:{worker_args.grpc_port}"]
     assert worker_args.grpc_host == "0.0.0.0" and settings.host == "0.0.0.0"
+
+
+def test_compose_cache_service_parses_and_workers_reach_it() -> None:
+    from cache_service.config import parse as parse_cache_service
+    from engine_worker.args import parse as parse_worker
+
+    services = _services()
+    command = services["cache-service"]["command"]
+    assert command[:2] == ["taco_llm", "cache-service"]
+    config = parse_cache_service(command[2:])  # type: ignore[index]
+    assert config.redis_url == "redis://redis:6379" and "redis" in services
+    worker = parse_worker(services["worker"]["command"][2:])  # type: ignore[index]
+    assert worker.cache_service == f"cache-service:{config.grpc_port}"
+    assert worker.engine.kv_transfer_config is not None

@@ -78,8 +78,7 @@ def test_noop_flags_warn_once_each() -> None:
 @pytest.mark.parametrize(
     ("argv", "flag"),
     [(["--prompt-adapters", "a=b"], "--prompt-adapters"), (["--enable-prompt-adapter"], "--enable-prompt-adapter"),
-     (["--device", "neuron"], "--device neuron"), (["--enable-prefix-cache-offload"], "--enable-prefix-cache-offload"),
-     (["--lookahead-cache-config-dir", "/tmp"], "--lookahead-cache-config-dir"),
+     (["--device", "neuron"], "--device neuron"), (["--apc-offload-enable-hit-cnt"], "--apc-offload-enable-hit-cnt"),
      (["--spec-decoding-acceptance-method", "typical_acceptance_sampler"], "--spec-decoding-acceptance-method"),
      (["--num-speculative-tokens", "x", "--speculative-model", "[ngram]"], "--num-speculative-tokens")],
 )
@@ -90,10 +89,10 @@ def test_refusals_name_the_flag(argv: list[str], flag: str) -> None:
 
 
 def test_refused_flag_exits_2_without_traceback() -> None:
-    run = subprocess.run([sys.executable, "-m", "taco_llm.cli", "serve", "--enable-prefix-cache-offload",
+    run = subprocess.run([sys.executable, "-m", "taco_llm.cli", "serve", "--apc-offload-enable-hit-cnt",
                           "--prompt-adapters", "x=y"], capture_output=True, text=True)
     assert run.returncode == 2
-    assert "--enable-prefix-cache-offload" in run.stderr and "--prompt-adapters" in run.stderr
+    assert "--apc-offload-enable-hit-cnt" in run.stderr and "--prompt-adapters" in run.stderr
     assert "Traceback" not in run.stderr
 
 

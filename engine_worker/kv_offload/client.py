@@ -24,6 +24,7 @@ CHUNK_BYTES = 1024 * 1024  # the service's chunk limit (cache_service/kv_service
 GRPC_MESSAGE_LIMIT = 4 * CHUNK_BYTES
 BACKOFF_FIRST_SECONDS = 0.5
 BACKOFF_MAX_SECONDS = 10.0
+CONNECT_TIMEOUT_SECONDS = 5.0
 
 
 @dataclass
@@ -79,6 +80,13 @@ class KVBlockClient:
             ("grpc.min_reconnect_backoff_ms", 200),
         ])
         self._stub = kv_cache_pb2_grpc.KVBlockStoreStub(self._channel)
+        # Connect now, so that the first Lookup's tight deadline is not spent on connecting; a service
+        # that is not up yet is fine (the channel keeps trying in the background).
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=CONNECT_TIMEOUT_SECONDS)
+        except grpc.FutureTimeoutError:
+            logger.warning("prefix-KV offload: cache service %s not reachable yet; recomputing until it is",
+                           address)
 
     def close(self) -> None:
         self._channel.close()

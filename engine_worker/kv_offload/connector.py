@@ -59,7 +59,7 @@ def _ensure_logging() -> None:
         parent.addHandler(handler)
         parent.setLevel(logging.INFO)
 
-DEFAULT_LOOKUP_TIMEOUT = 0.1  # seconds the scheduler waits for a Lookup before recomputing
+DEFAULT_LOOKUP_TIMEOUT = 0.25  # seconds the scheduler waits for a Lookup before recomputing
 LOAD_TIMEOUT_SECONDS = 30.0   # base deadline of one step's GetBlocks
 LOAD_SECONDS_PER_GIB = 10.0   # plus this much per GiB loaded (far below what the service delivers)
 SAVE_TIMEOUT_SECONDS = 30.0
