@@ -5,6 +5,7 @@ Kinds:
 - pass: handed to the engine worker unchanged (vLLM 0.32 still has it);
 - taco: a TACO-LLM acceleration flag, handed to the engine worker, whose own plugins (or the cache
   service that `serve` starts) implement it;
+- cache: handed to the cache service that `serve` starts (prefix-KV offload settings);
 - map: rewritten into today's vLLM equivalent;
 - noop: accepted with one warning line, since it means nothing on vLLM's V1 engine;
 - refuse: an error naming the flag, where honouring it is impossible on this base;
@@ -20,7 +21,7 @@ import sys
 from dataclasses import dataclass
 from typing import Literal
 
-Kind = Literal["gateway", "pass", "taco", "map", "noop", "refuse", "pending"]
+Kind = Literal["gateway", "pass", "taco", "cache", "map", "noop", "refuse", "pending"]
 # switch: no value; value: one; values: one or more; optional: zero or one; append: one, repeatable.
 Arity = Literal["switch", "value", "values", "optional", "append"]
 
@@ -40,7 +41,6 @@ def _f(name: str, kind: Kind, arity: Arity, help: str, note: str = "", short: st
 
 
 _SPEC = "folded into vLLM's --speculative-config"
-_OFFLOAD = "the Auto Prefix Cache CPU Offload is not built yet"
 _LOOKAHEAD = "the Lookahead Cache is not built yet"
 
 FLAGS: list[Flag] = [
@@ -193,14 +193,22 @@ FLAGS: list[Flag] = [
     _f("--lookahead-cache-config-dir", "pending", "value", "folder of lookahead_cache_config.json", _LOOKAHEAD),
     _f("--cpu-decoding-memory-utilization", "pending", "value", "memory for the lookahead cache (0-1)",
        _LOOKAHEAD),
-    _f("--cpu-prefill-memory-utilization", "pending", "value", "memory for the prefill cache (0-1)", _OFFLOAD),
+    _f("--cpu-prefill-memory-utilization", "cache", "value", "memory for the prefill cache (0-1)",
+       "the fraction of host memory the cache service's prefix-KV blocks may use (default 0.3)"),
     _f("--ignore-prompt-for-lookahead-cache", "pending", "switch", "leave prompts out of the lookahead cache",
        _LOOKAHEAD),
-    _f("--enable-prefix-cache-offload", "pending", "switch", "offload prefix cache blocks to CPU", _OFFLOAD),
-    _f("--apc-offload-not-lazy", "pending", "switch", "load offloaded blocks before the forward pass", _OFFLOAD),
-    _f("--apc-offload-min-access-threshold", "pending", "value", "uses before a block is offloaded", _OFFLOAD),
-    _f("--apc-offload-enable-hit-cnt", "pending", "switch", "count offload hits", _OFFLOAD),
-    _f("--apc-offload-gpu-evictor-limit", "pending", "value", "GPU evictor free-table size", _OFFLOAD),
+    _f("--enable-prefix-cache-offload", "taco", "switch", "offload prefix cache blocks to CPU",
+       "prefix-KV blocks kept in the cache service's host memory (a vLLM KV connector) and loaded back on a "
+       "later hit, by any worker; serve starts a cache service unless --cache-service HOST:PORT names one"),
+    _f("--apc-offload-not-lazy", "taco", "switch", "load offloaded blocks before the forward pass",
+       "load offloaded blocks completely before the forward pass (default: layer by layer while it runs)"),
+    _f("--apc-offload-min-access-threshold", "cache", "value", "uses before a block is offloaded",
+       "the cache service keeps a block only once this many requests have looked it up (default 1)"),
+    _f("--apc-offload-enable-hit-cnt", "cache", "switch", "count offload hits",
+       "per-block hit counts in the cache service's Stats; the least-hit of the least recent blocks is "
+       "evicted first"),
+    _f("--apc-offload-gpu-evictor-limit", "noop", "value", "GPU evictor free-table size",
+       "vLLM's V1 engine keeps every free block in one free queue, with no separate evictor table to bound"),
     _f("--disable-log-requests", "map", "switch", "do not log requests",
        "vLLM 0.32 logs no requests unless --enable-log-requests; this keeps it off"),
     _f("--max-log-len", "noop", "value", "longest prompt printed in request logs",
@@ -213,6 +221,7 @@ _KIND_TEXT = {
     "gateway": "gateway",
     "pass": "passed through",
     "taco": "TACO-LLM acceleration",
+    "cache": "TACO-LLM acceleration (cache service)",
     "map": "mapped",
     "noop": "accepted, no-op (warns)",
     "refuse": "refused",
