@@ -32,6 +32,7 @@ GRPC_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 ENGINE_SERVICE = "taco_llm.engine.v1.Engine"
+MISSED_CHECKS_BEFORE_UNREADY = 3
 
 
 @dataclass(eq=False)
@@ -45,6 +46,7 @@ class EngineClient:
     info: engine_pb2.ModelInfo | None = None
     ready: bool = False
     in_flight: int = 0
+    missed_checks: int = 0
     last_error: str = field(default="", repr=False)
     # Sent on the gateway's own calls (GetModelInfo), for workers started with --api-key.
     metadata: tuple[tuple[str, str], ...] = field(default=(), repr=False)
@@ -68,8 +70,14 @@ class EngineClient:
                 self.info = await self.stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=timeout,
                                                          metadata=self.metadata)
         except grpc.aio.AioRpcError as error:
-            serving = False
             self.last_error = f"{error.code().name}: {error.details()}"
+            self.missed_checks += 1
+            # A busy worker can miss a health deadline; only a refused connection, or several misses
+            # in a row, take it out of rotation.
+            serving = (self.ready and error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                       and self.missed_checks < MISSED_CHECKS_BEFORE_UNREADY)
+        else:
+            self.missed_checks = 0
         if serving != self.ready:
             logger.info("engine %s is %s", self.address, "ready" if serving else "not ready")
         if not serving:
