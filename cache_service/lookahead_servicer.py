@@ -9,6 +9,7 @@ drafting index from the records; this service never interprets tokens.
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from array import array
 from collections.abc import AsyncIterator
@@ -28,6 +29,7 @@ MAX_PUBLISH_TOKENS = 4_000_000
 MAX_NAMESPACE_LENGTH = 512
 READ_BATCH = 256
 LIVE_BLOCK_MS = 5_000
+LOG_ID = re.compile(r"\d+(-\d+)?")
 
 
 def _pack(tokens: Any) -> bytes:
@@ -103,6 +105,9 @@ class LookaheadIndexServicer(lookahead_pb2_grpc.LookaheadIndexServicer):
                         context: grpc.aio.ServicerContext) -> AsyncIterator[lookahead_pb2.SubscribeResponse]:
         client, key = await self._client(request.namespace, context)
         after = request.after_id or "0-0"
+        if not LOG_ID.fullmatch(after):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"after_id: {after!r} is not a log id (MILLISECONDS-SEQUENCE)")
         caught_up = False
         while True:
             try:
@@ -110,9 +115,6 @@ class LookaheadIndexServicer(lookahead_pb2_grpc.LookaheadIndexServicer):
                                            block=LIVE_BLOCK_MS if caught_up else None)
             except RedisError as error:
                 await self._unavailable(context, error)
-                return
-            except ValueError:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"after_id: {after!r} is not a log id")
                 return
             records = [_record(entry_id, fields) for _, entries in reply for entry_id, fields in entries]
             if records:

@@ -46,6 +46,7 @@ class IndexSync:
         self.published = 0
         self.dropped = 0
         self.connected = False
+        self._unsent = 0
         self._stopping = threading.Event()
         self._channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
         self._stub = lookahead_pb2_grpc.LookaheadIndexStub(self._channel)
@@ -68,7 +69,8 @@ class IndexSync:
             self.dropped += 1
 
     def pending(self) -> int:
-        return self.outbox.qsize()
+        """Sequences not yet in the cache service: queued, or in a batch being retried."""
+        return self.outbox.qsize() + self._unsent
 
     def _set_connected(self, connected: bool, why: str = "") -> None:
         if connected != self.connected:
@@ -122,11 +124,13 @@ class IndexSync:
                     batch.append(self.outbox.get_nowait())
                 except queue.Empty:
                     break
+            self._unsent = len(batch)
             try:
                 self._stub.Publish(lookahead_pb2.PublishRequest(namespace=self.namespace, records=batch),
                                    timeout=5.0)
                 self.published += len(batch)
                 batch = []
+                self._unsent = 0
                 backoff = 0.25
                 self._set_connected(True)
             except grpc.RpcError as error:
