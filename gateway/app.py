@@ -149,7 +149,7 @@ def create_app(settings: GatewaySettings, pool: EnginePool | None = None) -> Fas
         try:
             reply = await client.stub.Tokenize(engine_request, metadata=engine_metadata(request))
         except grpc.aio.AioRpcError as error:
-            raise from_grpc(error, {"text": "prompt", "chat": "messages"}) from None
+            raise from_grpc(error, to_engine.TOKENIZE_PARAMS) from None
         result: dict[str, Any] = {"count": len(reply.token_ids), "max_model_len": reply.max_model_len,
                                   "tokens": list(reply.token_ids)}
         if body.return_token_strs:

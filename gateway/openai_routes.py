@@ -153,10 +153,12 @@ def _include_usage(body: ChatCompletionRequest | CompletionRequest) -> tuple[boo
 
 def _response_model(request: Request, body_model: str | None, stream: EngineStream) -> str:
     # As vLLM's: responses carry the worker's first served name whichever of its names was asked for
-    # (--served-model-name A B); any other name (a LoRA adapter's) is carried as asked.
-    assert stream.client.info is not None
-    names = stream.client.info.served_model_names
-    return body_model if body_model and body_model not in names else names[0]
+    # (--served-model-name A B); a LoRA adapter's name is carried as asked.
+    info = stream.client.info
+    assert info is not None
+    adapters = {a.name for a in info.lora_adapters}
+    base_names = [n for n in info.served_model_names if n not in adapters]
+    return body_model if body_model and body_model not in base_names else base_names[0]
 
 
 @router.post("/v1/chat/completions")

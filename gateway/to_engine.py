@@ -21,6 +21,8 @@ CHAT_PARAMS = {"max_tokens": "max_completion_tokens", "logprobs": "top_logprobs"
                "chat.messages": "messages", "chat.tools": "tools", "chat.chat_template": "chat_template",
                "chat.chat_template_kwargs": "chat_template_kwargs"}
 COMPLETION_PARAMS = {"text": "prompt", "token_ids": "prompt"}
+TOKENIZE_PARAMS = {"text": "prompt", "chat": "messages", "chat.messages": "messages",
+                   "chat.chat_template": "chat_template", "chat.chat_template_kwargs": "chat_template_kwargs"}
 
 
 def _stop_list(stop: str | list[str] | None) -> list[str]:
