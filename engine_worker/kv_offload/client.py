@@ -48,12 +48,13 @@ class Backoff:
         with self._lock:
             return time.monotonic() >= self._retry_at
 
-    def failed(self, what: str, error: BaseException) -> None:
+    def failed(self, what: str, error: BaseException, logged: bool = False) -> None:
+        """Starts or lengthens the pause; logs the first failure of a run unless the caller did."""
         with self._lock:
             first = self._delay == 0.0
             self._delay = BACKOFF_FIRST_SECONDS if first else min(self._delay * 2, BACKOFF_MAX_SECONDS)
             self._retry_at = time.monotonic() + self._delay
-        if first:
+        if first and not logged:
             detail = error.code().name if isinstance(error, grpc.RpcError) else type(error).__name__
             logger.warning("prefix-KV offload: cache service %s failed on %s (%s): recomputing instead; "
                            "retrying with backoff", self.address, what, detail)

@@ -328,8 +328,10 @@ class _LayerwiseLoad:
         except grpc.RpcError as error:
             if error.code() == grpc.StatusCode.NOT_FOUND:  # evicted since the Lookup: the service is fine
                 logger.warning("prefix-KV offload: %s; recomputing %d blocks", error.details(), len(self.keys))
-            else:
-                client.backoff.failed("GetBlocks", error)
+            else:  # a load in flight always gets its line: it is a request's blocks being recomputed
+                logger.warning("prefix-KV offload: loading %d blocks failed (%s); recomputing them",
+                               len(self.keys), error.code().name)
+                client.backoff.failed("GetBlocks", error, logged=True)
         except Exception as error:  # any other fault: the blocks are recomputed, never a failed request
             logger.warning("prefix-KV offload: loading %d blocks failed (%s); recomputing them",
                            len(self.keys), error)

@@ -1,0 +1,265 @@
+"""Prefix-KV offload end to end: real engines, a real cache service, gRPC and the OpenAI SDK.
+
+Engines started here: one `taco_llm serve --enable-prefix-cache-offload` (which starts its own cache
+service), a second worker on the same service (twice: before and after a restart), and a bfloat16
+worker. The reference for greedy output is the suite's shared `stack` (offload off). All float32.
+
+The tests run in file order: they share the engines and build on what the cache service holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import openai
+import psutil
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos import engine_pb2, engine_pb2_grpc, kv_cache_pb2, kv_cache_pb2_grpc
+
+from .support import Process, Stack, free_port, start, start_stack, wait_until
+
+pytestmark = pytest.mark.e2e
+
+BLOCK = 128  # vLLM's CPU block size, in tokens
+# A KV cache of 12 blocks (float32, 5.9 MB each): two 10-block prompts evict everything else from
+# vLLM's own cache. Prompts stay short: each prefill costs seconds on these shared CPUs.
+SMALL_KV = ["--dtype", "float32", "--max-model-len", "1280", "--max-num-seqs", "4",
+            "--kv-cache-memory-bytes", "72000000", "--seed", "0"]
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def tokens(seed: int, count: int) -> list[int]:
+    """A deterministic prompt of `count` token ids (the vocabulary has 49152)."""
+    return [100 + (seed * 7919 + i * 104729 + i * i * 31) % 40000 for i in range(count)]
+
+
+def generate(stub: engine_pb2_grpc.EngineStub, prompt: list[int], max_tokens: int = 12) -> tuple[list[int], int]:
+    """Greedy output token ids, and the prompt tokens the engine reported as cached."""
+    out: list[int] = []
+    cached = -1
+    request = engine_pb2.GenerateRequest(token_ids=engine_pb2.TokenIds(ids=prompt),
+                                         sampling=engine_pb2.SamplingParams(temperature=0, max_tokens=max_tokens))
+    for message in stub.Generate(request, timeout=300):
+        for choice in message.choices:
+            out += list(choice.token_ids)
+        if message.HasField("usage"):
+            cached = message.usage.cached_prompt_tokens
+    return out, cached
+
+
+def stats(store: kv_cache_pb2_grpc.KVBlockStoreStub) -> kv_cache_pb2.StatsResponse:
+    return store.Stats(kv_cache_pb2.StatsRequest(), timeout=10)
+
+
+class Offload:
+    """`taco_llm serve --enable-prefix-cache-offload` and the cache service it started."""
+
+    def __init__(self, stack: Stack, cache_address: str):
+        self.stack = stack
+        self.cache_address = cache_address
+        self.engine = engine_pb2_grpc.EngineStub(grpc.insecure_channel(stack.grpc_address))
+        self.store = kv_cache_pb2_grpc.KVBlockStoreStub(grpc.insecure_channel(cache_address))
+        self.client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+    def evict_local(self, seed: int) -> None:
+        """Two long unrelated prompts push everything else out of vLLM's own 12-block cache."""
+        for i in range(2):
+            generate(self.engine, tokens(10_000 + seed * 10 + i, 9 * BLOCK + 5), max_tokens=1)
+
+    def cache_service_pid(self) -> int:
+        for child in psutil.Process(self.stack.process.popen.pid).children():
+            if "cache_service" in " ".join(child.cmdline()):
+                return int(child.pid)
+        raise AssertionError("serve started no cache service")
+
+
+@pytest.fixture(scope="module")
+def offload(model_dir: Path, log_dir: Path) -> Iterator[Offload]:
+    cache_port = free_port()
+    stack = start_stack("serve-offload", [*SMALL_KV, "--enable-prefix-cache-offload",
+                                          "--cache-service-port", str(cache_port)], log_dir)
+    yield Offload(stack, f"127.0.0.1:{cache_port}")
+    code = stack.process.stop()
+    assert code == 0, f"serve exited with {code}:\n{stack.process.tail()}"
+
+
+@pytest.fixture(scope="module")
+def reference(engine: engine_pb2_grpc.EngineStub) -> Callable[[list[int]], list[int]]:
+    """Greedy output with offload off (the suite's shared float32 stack)."""
+    return lambda prompt: generate(engine, prompt)[0]
+
+
+@pytest.fixture(scope="module")
+def engine(stack: Stack) -> Iterator[engine_pb2_grpc.EngineStub]:
+    channel = grpc.insecure_channel(stack.grpc_address)
+    yield engine_pb2_grpc.EngineStub(channel)
+    channel.close()
+
+
+def start_worker(name: str, cache_address: str, log_dir: Path, extra: list[str] | None = None) -> tuple[Process, str]:
+    port = free_port()
+    flags = extra if extra is not None else SMALL_KV
+    process = start(name, ["worker", "--grpc-port", str(port), *flags, "--enable-prefix-cache-offload",
+                           "--cache-service", cache_address], log_dir)
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+
+    def serving() -> bool:
+        try:
+            return health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1
+        except grpc.RpcError:
+            return False
+
+    wait_until(process, serving)
+    return process, f"127.0.0.1:{port}"
+
+
+LONG = tokens(1, 1000)  # 7 full blocks and a partial one
+PARTIAL = LONG[:4 * BLOCK + 40] + tokens(2, 400)  # shares 4 blocks with LONG
+UNRELATED = tokens(3, 500)
+SHARED = tokens(4, 900)  # 7 blocks
+
+
+def test_offload_on_equals_off_for_full_partial_and_no_hits(
+        offload: Offload, reference: Callable[[list[int]], list[int]]) -> None:
+    expected = {name: reference(p) for name, p in (("long", LONG), ("partial", PARTIAL), ("unrelated", UNRELATED))}
+    first, cached = generate(offload.engine, LONG)
+    assert first == expected["long"] and cached == 0
+    offload.evict_local(1)
+    before = stats(offload.store)
+    again, cached = generate(offload.engine, LONG)
+    assert again == expected["long"], "a full offload hit changed the greedy output"
+    assert cached == 7 * BLOCK
+    assert stats(offload.store).blocks_served - before.blocks_served == 7
+
+    offload.evict_local(2)
+    before = stats(offload.store)
+    partial, cached = generate(offload.engine, PARTIAL)
+    assert partial == expected["partial"], "a partial offload hit changed the greedy output"
+    assert cached == 4 * BLOCK
+    assert stats(offload.store).blocks_served - before.blocks_served == 4
+
+    unrelated, cached = generate(offload.engine, UNRELATED)
+    assert unrelated == expected["unrelated"] and cached == 0
+
+
+def test_eviction_then_hit_shows_in_openai_usage_and_service_hits(offload: Offload) -> None:
+    prompt = tokens(5, 1100)  # 8 blocks
+    first = offload.client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    assert first.usage is not None and first.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    offload.evict_local(3)
+    before = stats(offload.store)
+    started = time.monotonic()
+    again = offload.client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    elapsed = time.monotonic() - started
+    assert again.choices[0].text == first.choices[0].text
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert again.usage.prompt_tokens_details.cached_tokens == 8 * BLOCK, "not served from the cache service"
+    after = stats(offload.store)
+    assert after.blocks_served - before.blocks_served == 8
+    assert after.bytes_used <= after.bytes_budget
+    print(f"offload hit of {8 * BLOCK} tokens answered in {elapsed:.2f}s")
+
+
+def test_two_workers_share_one_cache_service_and_restart_keeps_hits(
+        offload: Offload, log_dir: Path, reference: Callable[[list[int]], list[int]]) -> None:
+    expected = reference(SHARED)
+    computed, _ = generate(offload.engine, SHARED)  # computed on the serve stack's worker
+    assert computed == expected
+    time.sleep(1.0)  # saves are asynchronous
+    worker, address = start_worker("offload-worker-b", offload.cache_address, log_dir)
+    try:
+        other = engine_pb2_grpc.EngineStub(grpc.insecure_channel(address))
+        out, cached = generate(other, SHARED)
+        assert out == expected and cached == 7 * BLOCK, "the second worker did not hit the first one's blocks"
+        own = tokens(6, 800)  # 6 blocks
+        own_expected, _ = generate(other, own)  # computed here, to be found after the restart
+        time.sleep(1.0)
+    finally:
+        assert worker.stop() == 0, worker.tail()
+    # The same worker again, now loading everything before the forward pass.
+    worker, address = start_worker("offload-worker-b-restarted", offload.cache_address, log_dir,
+                                   [*SMALL_KV, "--apc-offload-not-lazy"])
+    try:
+        restarted = engine_pb2_grpc.EngineStub(grpc.insecure_channel(address))
+        out, cached = generate(restarted, own)
+        assert out == own_expected and cached == 6 * BLOCK, "the first request after a restart missed"
+        assert "not lazy" in worker.log.read_text()
+    finally:
+        assert worker.stop() == 0, worker.tail()
+
+
+def test_a_different_dtype_never_hits(offload: Offload, log_dir: Path) -> None:
+    before = stats(offload.store)
+    bf16 = [*SMALL_KV[:1], "bfloat16", *SMALL_KV[2:]]
+    worker, address = start_worker("offload-worker-bf16", offload.cache_address, log_dir, bf16)
+    try:
+        other = engine_pb2_grpc.EngineStub(grpc.insecure_channel(address))
+        _, cached = generate(other, SHARED)  # float32 blocks of this prompt are in the service
+        assert cached == 0
+    finally:
+        assert worker.stop() == 0, worker.tail()
+    after = stats(offload.store)
+    assert after.lookup_hit_blocks == before.lookup_hit_blocks
+    assert after.blocks_served == before.blocks_served
+
+
+def test_killing_the_cache_service_mid_load_costs_no_request(
+        offload: Offload, reference: Callable[[list[int]], list[int]]) -> None:
+    for attempt in range(4):
+        prompt = tokens(20 + attempt, 1200)  # 9 blocks, ~50 MiB of float32 KV to load
+        expected = reference(prompt)
+        assert generate(offload.engine, prompt)[0] == expected
+        time.sleep(1.0)
+        offload.evict_local(10 + attempt)
+        pid = offload.cache_service_pid()
+        result: dict[str, tuple[list[int], int]] = {}
+
+        def send(prompt: list[int] = prompt, into: dict[str, tuple[list[int], int]] = result) -> None:
+            into["out"] = generate(offload.engine, prompt)
+
+        request = threading.Thread(target=send)
+        request.start()
+        caught = False
+        while request.is_alive() and not caught:
+            with contextlib.suppress(grpc.RpcError):
+                caught = stats(offload.store).reads_in_progress > 0
+        if caught:
+            os.kill(pid, signal.SIGSTOP)  # frozen in the middle of streaming the blocks
+            time.sleep(0.5)
+            os.kill(pid, signal.SIGKILL)
+        request.join(300)
+        out, _ = result["out"]
+        assert out == expected, "the request's greedy output changed when its load failed"
+        if caught:
+            break
+    assert caught, "never caught the cache service in the middle of a load"
+    # serve restarted its cache service; the worker reconnects and fills it again.
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if offload.cache_service_pid() != pid and stats(offload.store).bytes_budget > 0:
+                break
+        except (grpc.RpcError, AssertionError):
+            pass
+        time.sleep(0.5)
+    assert offload.cache_service_pid() != pid
+    time.sleep(2.5)  # the worker's backoff after the failure
+    fresh = tokens(30, 400)
+    assert generate(offload.engine, fresh)[0] == reference(fresh)
+    deadline = time.monotonic() + 30
+    while stats(offload.store).blocks_stored == 0 and time.monotonic() < deadline:
+        generate(offload.engine, tokens(31, 400), max_tokens=1)
+        time.sleep(1.0)
+    assert stats(offload.store).blocks_stored > 0, "the worker did not reconnect to the restarted service"
+    log = offload.stack.process.log.read_text()
+    assert "restarting it" in log and "Traceback" not in log
