@@ -41,7 +41,6 @@ def _f(name: str, kind: Kind, arity: Arity, help: str, note: str = "", short: st
 
 
 _SPEC = "folded into vLLM's --speculative-config"
-_LOOKAHEAD = "the Lookahead Cache is not built yet"
 
 FLAGS: list[Flag] = [
     _f("--config", "map", "value", "Read CLI options from a YAML config file.",
@@ -190,13 +189,15 @@ FLAGS: list[Flag] = [
        "V1 always processes outputs asynchronously"),
     _f("--override-neuron-config", "refuse", "value", "Neuron device config",
        "no Neuron backend is installed"),
-    _f("--lookahead-cache-config-dir", "pending", "value", "folder of lookahead_cache_config.json", _LOOKAHEAD),
-    _f("--cpu-decoding-memory-utilization", "pending", "value", "memory for the lookahead cache (0-1)",
-       _LOOKAHEAD),
+    _f("--lookahead-cache-config-dir", "taco", "value", "folder of lookahead_cache_config.json",
+       "turns the Lookahead Cache on: speculative decoding from an index of past prompts and outputs "
+       "(docs/lookahead.md); DIR/lookahead_cache_warmup.json warms it up"),
+    _f("--cpu-decoding-memory-utilization", "taco", "value", "memory for the lookahead cache (0-1)",
+       "fraction of host memory the lookahead index may use (default 0.15)"),
     _f("--cpu-prefill-memory-utilization", "cache", "value", "memory for the prefill cache (0-1)",
        "the fraction of host memory the cache service's prefix-KV blocks may use (default 0.3)"),
-    _f("--ignore-prompt-for-lookahead-cache", "pending", "switch", "leave prompts out of the lookahead cache",
-       _LOOKAHEAD),
+    _f("--ignore-prompt-for-lookahead-cache", "taco", "switch", "leave prompts out of the lookahead cache",
+       "prompts stay out of the shared index; a request still drafts from its own prompt"),
     _f("--enable-prefix-cache-offload", "taco", "switch", "offload prefix cache blocks to CPU",
        "prefix-KV blocks kept in the cache service's host memory (a vLLM KV connector) and loaded back on a "
        "later hit, by any worker; serve starts a cache service unless --cache-service HOST:PORT names one"),

@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cache-service", default=None, metavar="HOST:PORT",
                        help="a running cache service (taco_llm cache-service) for the worker; with "
                        "--enable-prefix-cache-offload and none given, serve starts one")
+    serve.add_argument("--redis-url", default=None, metavar="URL",
+                       help="Redis for the Lookahead Cache's shared index (e.g. redis://127.0.0.1:6379/0): serve "
+                       "starts a cache service with it, so that the index outlives restarts")
     serve.add_argument("--cache-service-port", type=int, default=50052,
                        help="the port of the cache service serve starts")
     serve.add_argument("--ready-timeout", type=float, default=900.0,
@@ -234,7 +237,8 @@ def parse(argv: Sequence[str]) -> ServeArgs:
         elif flag.kind in ("refuse", "pending"):
             errors.append(f"{name}: {flag.note}")
     worker_argv += _mapped(given, errors)
-    cache_service_argv = _cache_service(given, namespace.cache_service, cache_argv, worker_argv, errors)
+    cache_service_argv = _cache_service(given, namespace.cache_service, namespace.redis_url, cache_argv,
+                                        worker_argv, errors)
     # One key guards both hops: HTTP clients to the gateway, and the gateway to the worker.
     api_key = str(given.get("--api-key") or os.environ.get("VLLM_API_KEY") or "") or None
     if api_key:
@@ -256,17 +260,24 @@ def parse(argv: Sequence[str]) -> ServeArgs:
                      single_process=bool(given.get("--disable-frontend-multiprocessing")))
 
 
-def _cache_service(given: dict[str, Any], address: str | None, cache_argv: list[str], worker_argv: list[str],
-                   errors: list[str]) -> list[str] | None:
-    """The flags of the cache service serve starts, or None when it starts none."""
+def _cache_service(given: dict[str, Any], address: str | None, redis_url: str | None, cache_argv: list[str],
+                   worker_argv: list[str], errors: list[str]) -> list[str] | None:
+    """The flags of the cache service serve starts, or None when it starts none. It starts one for the
+    prefix-KV offload, and for the Lookahead Cache when its index is to be shared through Redis."""
     offload = bool(given.get("--enable-prefix-cache-offload"))
+    lookahead = "--lookahead-cache-config-dir" in given
     names = [n for n in given if BY_NAME[n].kind == "cache"]
     if names and not offload:
         errors.append(f"{', '.join(names)}: needs --enable-prefix-cache-offload")
+    if redis_url is not None and not lookahead:
+        errors.append("--redis-url: holds the Lookahead Cache's shared index; it needs --lookahead-cache-config-dir")
     if address is not None:
         worker_argv += ["--cache-service", address]
-        if names:
-            errors.append(f"{', '.join(names)}: set on the cache service at {address} itself (serve starts "
+        if names or redis_url is not None:
+            flags = ", ".join([*names, *(["--redis-url"] if redis_url is not None else [])])
+            errors.append(f"{flags}: set on the cache service at {address} itself (serve starts "
                           "none when --cache-service is given)")
         return None
-    return cache_argv if offload else None
+    if redis_url is not None:
+        cache_argv = [*cache_argv, "--redis-url", redis_url]
+    return cache_argv if offload or (lookahead and redis_url is not None) else None

@@ -407,3 +407,34 @@ def test_bad_lookahead_configs_fail_at_start_with_a_clear_error(tmp_path: Path, 
     (tmp_path / "lookahead_cache_warmup.json").write_text(json.dumps([{"prompt": [1, 2], "output": [10**7]}]))
     code, output = _worker_start_error(["--lookahead-cache-config-dir", str(tmp_path)])
     assert code != 0 and "outside the model's vocabulary" in output and "Traceback" not in output
+
+
+def test_serve_starts_a_cache_service_that_keeps_the_index_in_redis(tmp_path: Path, log_dir: Path,
+                                                                     model_dir: Path) -> None:
+    """`taco_llm serve --lookahead-cache-config-dir DIR --redis-url URL`: one command, every part."""
+    import redis
+
+    from .support import start_stack
+
+    (tmp_path / "lookahead_cache_config.json").write_text("{}")
+    server = RedisServer(free_port(), tmp_path / "redis")
+    server.start()
+    try:
+        running = start_stack("serve-lookahead", [*ENGINE_FLAGS, "--lookahead-cache-config-dir", str(tmp_path),
+                                                  "--redis-url", server.url, "--cache-service-port",
+                                                  str(free_port())], log_dir)
+        try:
+            client = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+            client.chat.completions.create(model=MODEL, messages=chat("Name three rivers."),  # type: ignore[arg-type]
+                                           temperature=0, max_tokens=16)
+            keys = redis.Redis(port=server.port)
+
+            def published() -> bool:
+                return any(keys.xlen(key) > 0 for key in keys.scan_iter("taco_llm:lookahead:*"))
+
+            wait_for(published, "the finished request to reach Redis")
+            keys.close()
+        finally:
+            assert running.process.stop() == 0
+    finally:
+        server.stop()
