@@ -39,3 +39,4 @@ def test_compose_cache_service_parses_and_workers_reach_it() -> None:
     worker = parse_worker(services["worker"]["command"][2:])  # type: ignore[index]
     assert worker.cache_service == f"cache-service:{config.grpc_port}"
     assert worker.engine.kv_transfer_config is not None
+    assert worker.lookahead is not None and worker.metrics_port == 9100
