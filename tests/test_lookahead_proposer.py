@@ -1,0 +1,102 @@
+"""The proposer's bookkeeping between vLLM steps, driven the way vLLM's model runner drives it, with a
+stand-in for the runner's input batch (the end-to-end tests run it inside the real engine)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from engine_worker.lookahead.proposer import LookaheadProposer
+from engine_worker.lookahead.settings import LookaheadSettings
+
+
+class Batch:
+    """The fields of vLLM's InputBatch the proposer reads, for requests given as token lists."""
+
+    def __init__(self, requests: dict[str, list[int]], prompt_lengths: dict[str, int]):
+        self.req_ids = list(requests)
+        self.num_prompt_tokens = np.array([prompt_lengths[r] for r in requests])
+        width = max(len(t) for t in requests.values()) + 8
+        self.token_ids_cpu = np.zeros((len(requests), width), dtype=np.int32)
+        for row, tokens in enumerate(requests.values()):
+            self.token_ids_cpu[row, :len(tokens)] = tokens
+        self.num_tokens_no_spec = np.array([len(t) for t in requests.values()])
+
+
+def make_proposer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **settings: Any) -> LookaheadProposer:
+    (tmp_path / "lookahead_cache_config.json").write_text(json.dumps(settings.pop("config", {})))
+    monkeypatch.setenv("TACO_LLM_LOOKAHEAD_SETTINGS", "")
+    LookaheadSettings(config_dir=str(tmp_path), budget_bytes=1 << 28, vocab_size=1000, **settings).export()
+    config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=7),
+                             model_config=SimpleNamespace(max_model_len=256))
+    proposer = LookaheadProposer(config)
+    proposer.bind_runner(SimpleNamespace(input_batch=None, requests={}))
+    return proposer
+
+
+def step(proposer: LookaheadProposer, requests: dict[str, list[int]], prompt_lengths: dict[str, int],
+         sampled: dict[str, list[int]]) -> dict[str, list[int]]:
+    batch = Batch(requests, prompt_lengths)
+    proposer.runner.input_batch = batch
+    proposer.runner.requests = dict.fromkeys(requests)
+    drafts = proposer.propose([sampled[r] for r in requests], batch.num_tokens_no_spec, batch.token_ids_cpu)
+    return dict(zip(requests, drafts, strict=True))
+
+
+PROMPT = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 30, 31, 10, 11, 12]
+
+
+def test_drafts_from_the_prompt_and_counts_what_was_accepted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    proposer = make_proposer(tmp_path, monkeypatch)
+    tokens = [*PROMPT, 13]
+    drafts = step(proposer, {"a": tokens}, {"a": len(PROMPT)}, {"a": [13]})
+    assert drafts["a"] == [14, 15, 16, 17, 18, 19, 20]
+    # The next step accepted four of the seven drafted tokens, then sampled 40 instead of 18.
+    tokens += [14, 15, 16, 17, 40]
+    step(proposer, {"a": tokens}, {"a": len(PROMPT)}, {"a": [14, 15, 16, 17, 40]})
+    assert (proposer.stats.drafted_tokens, proposer.stats.accepted_tokens) == (7, 4)
+
+
+def test_finished_requests_join_the_shared_index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    proposer = make_proposer(tmp_path, monkeypatch)
+    output = [50, 51, 52, 53, 54, 55, 56, 57, 58]
+    step(proposer, {"a": [*PROMPT, *output]}, {"a": len(PROMPT)}, {"a": [58]})
+    proposer.finish(["a"])
+    assert proposer.requests == {}
+    # Another request reaching the same text drafts what followed it in the finished one.
+    drafts = step(proposer, {"b": [1, 2, *PROMPT, 50]}, {"b": len(PROMPT) + 2}, {"b": [50]})
+    assert drafts["b"] == [51, 52, 53, 54, 55, 56, 57]
+
+
+def test_ignore_prompt_keeps_prompts_out_of_the_shared_index(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    proposer = make_proposer(tmp_path, monkeypatch, ignore_prompt=True)
+    output = [50, 51, 52, 53, 54, 55, 56, 57, 58]
+    step(proposer, {"a": [*PROMPT, *output]}, {"a": len(PROMPT)}, {"a": [58]})
+    proposer.finish(["a"])
+    assert proposer.drafter.shared_tokens() == len(output) + 1  # the output and its separator only
+    assert step(proposer, {"b": [1, 2, 3, *output[:7]]}, {"b": 3}, {"b": [56]})["b"] == [57, 58]
+
+
+def test_no_drafts_while_more_requests_decode_than_target_parallelism(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    proposer = make_proposer(tmp_path, monkeypatch, config={"target_parallelism": 2})
+    requests = {name: [*PROMPT, 13] for name in "abc"}
+    drafts = step(proposer, requests, dict.fromkeys(requests, len(PROMPT)), dict.fromkeys(requests, [13]))
+    assert all(d == [] for d in drafts.values())
+    two = {name: requests[name] for name in "ab"}
+    drafts = step(proposer, two, dict.fromkeys(two, len(PROMPT)), dict.fromkeys(two, [13]))
+    assert all(d == [14, 15, 16, 17, 18, 19, 20] for d in drafts.values())
+
+
+def test_prefill_chunks_get_no_draft_and_drafts_respect_the_context_length(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    proposer = make_proposer(tmp_path, monkeypatch)
+    assert step(proposer, {"a": PROMPT}, {"a": len(PROMPT)}, {"a": []}) == {"a": []}
+    cycle = list(range(100, 120)) * 13  # 252 tokens of 256 leave room for 3 more
+    assert step(proposer, {"b": cycle[:252]}, {"b": 20}, {"b": [cycle[251]]})["b"] == cycle[252:255]
