@@ -87,10 +87,10 @@ def test_no_drafts_while_more_requests_decode_than_target_parallelism(tmp_path: 
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     proposer = make_proposer(tmp_path, monkeypatch, config={"target_parallelism": 2})
     requests = {name: [*PROMPT, 13] for name in "abc"}
-    drafts = step(proposer, requests, dict.fromkeys(requests, len(PROMPT)), dict.fromkeys(requests, [13]))
+    drafts = step(proposer, requests, dict.fromkeys(requests, len(PROMPT)), {key: [13] for key in requests})
     assert all(d == [] for d in drafts.values())
     two = {name: requests[name] for name in "ab"}
-    drafts = step(proposer, two, dict.fromkeys(two, len(PROMPT)), dict.fromkeys(two, [13]))
+    drafts = step(proposer, two, dict.fromkeys(two, len(PROMPT)), {key: [13] for key in two})
     assert all(d == [14, 15, 16, 17, 18, 19, 20] for d in drafts.values())
 
 
