@@ -52,7 +52,7 @@ def test_bad_settings_name_the_key(tmp_path: Path, settings: object, message: st
 
 
 def test_missing_folder_file_and_broken_json(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="--lookahead-cache-config-dir .*: no such directory"):
+    with pytest.raises(ConfigError, match=r"--lookahead-cache-config-dir .*: no such directory"):
         load_config(tmp_path / "absent")
     with pytest.raises(ConfigError, match=f"has no {CONFIG_FILE}"):
         load_config(tmp_path)

@@ -105,10 +105,9 @@ def test_without_redis_the_index_says_so(tmp_path: Path) -> None:
     port = free_port()
     process = start_cache_service(port, tmp_path / "cache.log")
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            with pytest.raises(grpc.RpcError) as error:
-                lookahead_pb2_grpc.LookaheadIndexStub(channel).Publish(
-                    lookahead_pb2.PublishRequest(namespace="m:1", records=[record([1], [2])]))
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel, pytest.raises(grpc.RpcError) as error:
+            lookahead_pb2_grpc.LookaheadIndexStub(channel).Publish(
+                lookahead_pb2.PublishRequest(namespace="m:1", records=[record([1], [2])]))
         assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "--redis-url" in error.value.details()
     finally:
