@@ -22,9 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +32,7 @@ from typing import Any
 
 import openai
 from prometheus_client.parser import text_string_to_metric_families
+from servers import free_port, stop, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "SmolLM2-135M-Instruct"
@@ -91,36 +89,10 @@ def workloads(requests: int) -> dict[str, list[list[list[dict[str, str]]]]]:
                    for level in range(len(CONCURRENCY))] for name, make in makers.items()}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
-def _wait(url: str, processes: list[subprocess.Popen[bytes]], timeout: float = 900) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for process in processes:
-            if process.poll() is not None:
-                raise RuntimeError(f"a server exited with {process.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as reply:
-                if reply.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"{url} not ready in time")
 
 
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
 
 
 def _metrics(port: int) -> dict[str, float]:
@@ -164,7 +136,7 @@ def _method_flags(method: str, config_dir: Path) -> list[str]:
 
 def bench_method(method: str, args: argparse.Namespace, config_dir: Path,
                  loads: dict[str, list[list[list[dict[str, str]]]]]) -> dict[str, Any]:
-    grpc_port, http_port, metrics_port = _free_port(), _free_port(), _free_port()
+    grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
     log = open(ROOT / "bench" / "results" / f"lookahead-{method}.log", "wb")  # noqa: SIM115
     common = {"cwd": ROOT, "stdout": log, "stderr": subprocess.STDOUT, "start_new_session": True}
     worker = subprocess.Popen([sys.executable, "-m", "taco_llm.cli", "worker", "--dtype", args.dtype,
@@ -176,7 +148,7 @@ def bench_method(method: str, args: argparse.Namespace, config_dir: Path,
     base_url = f"http://127.0.0.1:{http_port}"
     rows: dict[str, Any] = {}
     try:
-        _wait(f"{base_url}/health", [worker, gateway])
+        wait_healthy(f"{base_url}/health", [worker, gateway])
         asyncio.run(_run(base_url, [[{"role": "user", "content": "Hello!"}]], 1, 8))  # warm-up
         for name, levels in loads.items():
             for concurrency, chats in zip(CONCURRENCY, levels, strict=True):
@@ -199,8 +171,8 @@ def bench_method(method: str, args: argparse.Namespace, config_dir: Path,
                 print(f"{method:9s} {name:8s} c={concurrency}: {tok_s:7.2f} tok/s  acceptance "
                       f"{row['acceptance']}", flush=True)
     finally:
-        _stop(gateway)
-        _stop(worker)
+        stop(gateway)
+        stop(worker)
         log.close()
     return rows
 

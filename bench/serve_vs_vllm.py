@@ -13,18 +13,15 @@ import argparse
 import asyncio
 import itertools
 import json
-import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import openai
+from servers import free_port, stop, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -36,35 +33,10 @@ QUESTIONS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
-def _wait_healthy(url: str, process: subprocess.Popen[bytes], timeout: float = 900) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as reply:
-                if reply.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise RuntimeError("server not ready in time")
 
 
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
 
 
 async def _one(client: openai.AsyncOpenAI, question: str, max_tokens: int) -> dict[str, Any]:
@@ -134,25 +106,25 @@ def main() -> int:
                               "--port", str(port), "--disable-log-stats",
                               *engine_flags],
         "taco_llm": lambda port: [sys.executable, "-m", "taco_llm.cli", "serve", model, "--port", str(port),
-                                  "--grpc-port", str(_free_port()), "--disable-log-stats", *engine_flags],
+                                  "--grpc-port", str(free_port()), "--disable-log-stats", *engine_flags],
     }
     report: dict[str, Any] = {"model": MODEL_NAME, "dtype": args.dtype, "max_tokens": args.max_tokens,
                               "requests_per_level": args.requests, "results": {}}
     (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
     for name, command in servers.items():
-        port = _free_port()
+        port = free_port()
         log = open(ROOT / "bench" / "results" / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the server
         process = subprocess.Popen(command(port), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                    cwd=ROOT)
         try:
             url = f"http://127.0.0.1:{port}"
-            _wait_healthy(url, process)
+            wait_healthy(f"{url}/health", [process])
             report["results"][name] = {
                 f"c{c}": asyncio.run(_drive(url, c, args.requests, args.max_tokens)) for c in args.concurrency
             }
             print(name, json.dumps(report["results"][name], indent=1), flush=True)
         finally:
-            _stop(process)
+            stop(process)
             log.close()
     ours, theirs = report["results"]["taco_llm"], report["results"]["vllm"]
     report["ratios"] = {
