@@ -69,6 +69,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         self.structured_backend = engine.vllm_config.structured_outputs_config.backend
         self.running: set[str] = set()
         self.created = int(time.time())
+        self.loaded_adapters: set[str] = set()
         self.chat_defaults = prompts.ChatDefaults(frontend.chat_template, frontend.trust_request_chat_template)
         self.tool_calling = ToolCalling(
             tool_parser_class(frontend.tool_call_parser, frontend.enable_auto_tool_choice, self.tokenizer,
@@ -83,6 +84,20 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                          f"The model `{model}` does not exist; this worker serves "
                          f"{', '.join(self.served_model_names)}", "model")
         return self.loras.get(model)
+
+    async def _load_adapter(self, lora: LoRARequest, context: grpc.aio.ServicerContext) -> None:
+        """Loads an adapter before its first request, as vLLM's server does at start-up: a bad one then
+        fails as a call to the engine (the engine stays up), not inside an engine step."""
+        if lora.lora_name in self.loaded_adapters:
+            return
+        try:
+            await self.engine.add_lora(lora)
+        except EngineDeadError:
+            raise
+        except Exception as error:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                         f"the LoRA adapter `{lora.lora_name}` ({lora.lora_path}) failed to load: {error}", "model")
+        self.loaded_adapters.add(lora.lora_name)
 
     async def _render(self, request: engine_pb2.GenerateRequest | engine_pb2.TokenizeRequest) -> dict[str, Any]:
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else None
@@ -140,6 +155,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         if request_id in self.running:
             await _abort(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already running",
                          "request_id")
+        if lora is not None:
+            await self._load_adapter(lora, context)
         builder = ResponseBuilder(request_id, params.logprobs or 0, tools)
         self.running.add(request_id)
         try:

@@ -59,6 +59,8 @@ def engine(stack: Stack) -> Iterator[engine_pb2_grpc.EngineStub]:
 
 # Tool calling, LoRA and a server-wide chat template share one more engine: a worker with all of them.
 LORA_NAME = "tiny-lora"
+# Passes the start-up checks (a PEFT config, a weights file) but its weights are not safetensors.
+BROKEN_LORA_NAME = "broken-lora"
 TEMPLATE_MARKER = "[taco-template]"
 # Visibly not the model's own template (the marker), and it shows the tools to the model, Hermes style.
 FRONTEND_TEMPLATE = (
@@ -88,11 +90,16 @@ def build_tiny_lora(model_dir: Path, out: Path) -> Path:
 def frontend_stack(model_dir: Path, log_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     work = tmp_path_factory.mktemp("frontend")
     adapter = build_tiny_lora(model_dir, work / LORA_NAME)
+    broken = work / BROKEN_LORA_NAME
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text((adapter / "adapter_config.json").read_text())
+    (broken / "adapter_model.safetensors").write_bytes(b"these are not tensors")
     template = work / "template.jinja"
     template.write_text(FRONTEND_TEMPLATE)
     running = start_stack("serve-frontend", [
         *ENGINE_FLAGS, "--enable-lora", "--max-lora-rank", "8", "--max-loras", "1",
-        "--lora-modules", f"{LORA_NAME}={adapter}", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        "--lora-modules", f"{LORA_NAME}={adapter}", f"{BROKEN_LORA_NAME}={broken}",
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
         "--chat-template", str(template), "--trust-request-chat-template",
     ], log_dir)
     yield running

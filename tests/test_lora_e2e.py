@@ -8,7 +8,7 @@ import pytest
 
 from protos import engine_pb2, engine_pb2_grpc
 
-from .conftest import LORA_NAME
+from .conftest import BROKEN_LORA_NAME, LORA_NAME
 from .support import Stack
 
 pytestmark = pytest.mark.e2e
@@ -25,7 +25,7 @@ def _greedy(client: openai.OpenAI, model: str) -> tuple[str, list[int]]:
 
 def test_the_adapter_is_a_model_whose_parent_is_the_base(frontend_client: openai.OpenAI) -> None:
     models = {m.id: m for m in frontend_client.models.list().data}
-    assert list(models) == [MODEL, LORA_NAME]
+    assert list(models) == [MODEL, LORA_NAME, BROKEN_LORA_NAME]
     lora = models[LORA_NAME].model_extra
     assert lora["parent"] == MODEL
     assert lora["root"].endswith(LORA_NAME)
@@ -35,8 +35,9 @@ def test_the_adapter_is_a_model_whose_parent_is_the_base(frontend_client: openai
 def test_model_info_lists_the_adapter(frontend_stack: Stack) -> None:
     with grpc.insecure_channel(frontend_stack.grpc_address) as channel:
         info = engine_pb2_grpc.EngineStub(channel).GetModelInfo(engine_pb2.GetModelInfoRequest())
-    assert list(info.served_model_names) == [MODEL, LORA_NAME]
-    (adapter,) = info.lora_adapters
+    assert list(info.served_model_names) == [MODEL, LORA_NAME, BROKEN_LORA_NAME]
+    adapter = info.lora_adapters[0]
+    assert [a.name for a in info.lora_adapters] == [LORA_NAME, BROKEN_LORA_NAME]
     assert adapter.name == LORA_NAME and adapter.base_model_name == MODEL and adapter.path.endswith(LORA_NAME)
 
 
@@ -73,3 +74,14 @@ def test_an_unknown_model_is_a_404_naming_it(frontend_client: openai.OpenAI) -> 
         frontend_client.completions.create(model="no-such-lora", prompt=PROMPT, max_tokens=4)
     assert caught.value.body["param"] == "model"
     assert "no-such-lora" in caught.value.body["message"]
+
+
+def test_an_adapter_that_fails_to_load_is_a_400_and_the_engine_stays_up(frontend_client: openai.OpenAI) -> None:
+    for _ in range(2):  # and again: a failed load is not remembered as loaded
+        with pytest.raises(openai.BadRequestError) as caught:
+            frontend_client.completions.create(model=BROKEN_LORA_NAME, prompt=PROMPT, max_tokens=4)
+        assert caught.value.body["param"] == "model"
+        assert f"the LoRA adapter `{BROKEN_LORA_NAME}`" in caught.value.body["message"]
+        assert "failed to load" in caught.value.body["message"]
+    assert _greedy(frontend_client, LORA_NAME)[0]
+    assert _greedy(frontend_client, MODEL)[0]
