@@ -1,7 +1,8 @@
 """The Lookahead Cache against vLLM's own speculative methods and no speculation, in one run.
 
     python bench/lookahead.py [--dtype float32] [--max-tokens 128] [--requests 6]
-                              [--methods none,ngram,suffix,lookahead] [--out bench/results/lookahead.json]
+                              [--methods none,ngram,suffix,lookahead] [--workloads copy,rag,template,stories]
+                              [--out bench/results/lookahead.json]
 
 Every method runs in the same taco_llm worker behind the same gateway; only the speculative method
 differs (vLLM's `ngram` and `suffix` through --speculative-config, ours through
@@ -183,10 +184,12 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--requests", type=int, default=6, help="requests per workload and concurrency level")
     parser.add_argument("--methods", default="none,ngram,suffix,lookahead")
+    parser.add_argument("--workloads", default="copy,rag,template,stories")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "lookahead.json")
     args = parser.parse_args()
     (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
-    loads = workloads(args.requests)
+    chosen = args.workloads.split(",")
+    loads = {name: levels for name, levels in workloads(args.requests).items() if name in chosen}
     results: dict[str, Any] = {"dtype": args.dtype, "max_tokens": args.max_tokens, "requests": args.requests,
                                "methods": {}, "skipped": {}}
     with tempfile.TemporaryDirectory() as config_dir:
