@@ -49,6 +49,14 @@ def test_passed_flags_exist_in_vllm() -> None:
     assert not missing, f"vLLM 0.32 has no {missing}"
 
 
+def test_acceleration_flags_reach_flags_the_worker_has() -> None:
+    from engine_worker.args import build_parser
+
+    known = build_parser()._option_string_actions
+    missing = [f.name for f in FLAGS if f.kind == "taco" and f.name not in known]
+    assert not missing, f"taco_llm worker has no {missing}"
+
+
 def test_mapped_flags_become_vllm_flags_vllm_accepts() -> None:
     from engine_worker.args import parse as parse_worker
 
