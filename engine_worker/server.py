@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 
 import grpc
 import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import multiprocess
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.metrics.prometheus import get_prometheus_registry, setup_multiprocess_prometheus
 
@@ -36,6 +38,17 @@ async def _log_stats(engine: AsyncLLM, interval: float) -> None:
         await engine.do_log_stats()
 
 
+def _metrics_registry() -> prometheus_client.CollectorRegistry:
+    """Where /metrics reads from: this process's metrics (vLLM's stat logger runs here) and those the
+    engine's processes write to files (the lookahead proposer's). Called before the engine starts."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        # Set by the user before vLLM imported prometheus_client: every process writes files.
+        return get_prometheus_registry()
+    setup_multiprocess_prometheus()
+    multiprocess.MultiProcessCollector(prometheus_client.REGISTRY)
+    return prometheus_client.REGISTRY
+
+
 def _served_names(args: WorkerArgs) -> list[str]:
     return list(args.engine.served_model_name or [args.engine.model])
 
@@ -52,7 +65,7 @@ async def serve(args: WorkerArgs, stop: asyncio.Event) -> int:
             return 1
     if args.metrics_port is not None:
         # Before the engine starts, so that its processes write their metrics where we can read them.
-        setup_multiprocess_prometheus()
+        registry = _metrics_registry()
     engine = start_engine(args.engine, prometheus=args.metrics_port is not None)
     served = _served_names(args)
     engine_died = asyncio.Event()
@@ -80,7 +93,7 @@ async def serve(args: WorkerArgs, stop: asyncio.Event) -> int:
     await server.start()
     if args.metrics_port is not None:
         try:
-            prometheus_client.start_http_server(args.metrics_port, args.grpc_host, get_prometheus_registry())
+            prometheus_client.start_http_server(args.metrics_port, args.grpc_host, registry)
         except OSError as error:
             logger.error("cannot serve metrics on %s:%d (--metrics-port): %s", args.grpc_host, args.metrics_port,
                          error)
