@@ -6,8 +6,10 @@
 
 Every method runs in the same taco_llm worker behind the same gateway; only the speculative method
 differs (vLLM's `ngram` and `suffix` through --speculative-config, ours through
---lookahead-cache-config-dir). Each method gets a fresh worker, then runs four workloads at
-concurrency 1 and 4, each with its own requests, in the same order for every method:
+--lookahead-cache-config-dir). All methods' workers start first and stay up; then each workload and
+concurrency level (1 and 4) runs on every method in turn, in a rotating order, so that the machine's
+load drifting over the run falls on all of them alike. Each level has its own requests, the same for
+every method:
   copy      repeat a given code file (the answer is in the prompt)
   rag       answer by quoting one of a few shared documents (the documents repeat across requests)
   template  fill the same report template for different items (the form repeats across requests)
@@ -22,12 +24,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -135,46 +139,63 @@ def _method_flags(method: str, config_dir: Path) -> list[str]:
     return []
 
 
-def bench_method(method: str, args: argparse.Namespace, config_dir: Path,
-                 loads: dict[str, list[list[list[dict[str, str]]]]]) -> dict[str, Any]:
+@dataclass
+class Server:
+    """One method's worker and gateway."""
+
+    method: str
+    worker: subprocess.Popen[bytes]
+    gateway: subprocess.Popen[bytes]
+    base_url: str
+    metrics_port: int
+
+
+def start_server(method: str, args: argparse.Namespace, config_dir: Path) -> Server:
     grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
     log = open(ROOT / "bench" / "results" / f"lookahead-{method}.log", "wb")  # noqa: SIM115
     common = {"cwd": ROOT, "stdout": log, "stderr": subprocess.STDOUT, "start_new_session": True}
     worker = subprocess.Popen([sys.executable, "-m", "taco_llm.cli", "worker", "--dtype", args.dtype,
                                "--max-model-len", "4096", "--max-num-seqs", "16", "--seed", "0",
-                               "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
+                               "--kv-cache-memory-bytes", "1G", "--grpc-port", str(grpc_port),
+                               "--metrics-port", str(metrics_port),
                                *_method_flags(method, config_dir)], **common)  # type: ignore[call-overload]
     gateway = subprocess.Popen([sys.executable, "-m", "taco_llm.cli", "gateway", "--engine",
                                 f"127.0.0.1:{grpc_port}", "--port", str(http_port)], **common)  # type: ignore[call-overload]
-    base_url = f"http://127.0.0.1:{http_port}"
-    rows: dict[str, Any] = {}
-    try:
-        wait_healthy(f"{base_url}/health", [worker, gateway])
-        asyncio.run(_run(base_url, [[{"role": "user", "content": "Hello!"}]], 1, 8))  # warm-up
-        for name, levels in loads.items():
-            for concurrency, chats in zip(CONCURRENCY, levels, strict=True):
-                before = _metrics(metrics_port)
-                tok_s, texts = asyncio.run(_run(base_url, chats, concurrency, args.max_tokens))
-                after = _metrics(metrics_port)
+    return Server(method, worker, gateway, f"http://127.0.0.1:{http_port}", metrics_port)
 
-                def delta(key: str, after: dict[str, float] = after, before: dict[str, float] = before) -> float:
-                    return after.get(key, 0.0) - before.get(key, 0.0)
 
-                drafted = delta("vllm:spec_decode_num_draft_tokens_total")
-                row: dict[str, Any] = {"tok_s": round(tok_s, 2), "texts": texts,
-                                       "acceptance": round(delta("vllm:spec_decode_num_accepted_tokens_total")
-                                                           / drafted, 3) if drafted else None}
-                steps = delta("taco_llm_lookahead_steps_total")
-                if steps:
-                    row["propose_us_per_step"] = round(1e6 * delta("taco_llm_lookahead_propose_seconds_total")
-                                                       / steps, 1)
-                rows[f"{name}@{concurrency}"] = row
-                print(f"{method:9s} {name:8s} c={concurrency}: {tok_s:7.2f} tok/s  acceptance "
+def measure(server: Server, chats: list[list[dict[str, str]]], concurrency: int, max_tokens: int) -> dict[str, Any]:
+    before = _metrics(server.metrics_port)
+    tok_s, texts = asyncio.run(_run(server.base_url, chats, concurrency, max_tokens))
+    after = _metrics(server.metrics_port)
+
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    drafted = delta("vllm:spec_decode_num_draft_tokens_total")
+    row: dict[str, Any] = {"tok_s": round(tok_s, 2), "texts": texts,
+                           "acceptance": round(delta("vllm:spec_decode_num_accepted_tokens_total") / drafted, 3)
+                           if drafted else None}
+    steps = delta("taco_llm_lookahead_steps_total")
+    if steps:
+        row["propose_us_per_step"] = round(1e6 * delta("taco_llm_lookahead_propose_seconds_total") / steps, 1)
+    return row
+
+
+def bench(servers: list[Server], loads: dict[str, list[list[list[dict[str, str]]]]],
+          max_tokens: int) -> dict[str, dict[str, Any]]:
+    """Every method runs each workload and level before the next one starts, in a rotating order, so
+    that the machine's load drifting over the run falls on all methods alike."""
+    rows: dict[str, dict[str, Any]] = {s.method: {} for s in servers}
+    turn = 0
+    for name, levels in loads.items():
+        for concurrency, chats in zip(CONCURRENCY, levels, strict=True):
+            for server in servers[turn:] + servers[:turn]:
+                row = measure(server, chats, concurrency, max_tokens)
+                rows[server.method][f"{name}@{concurrency}"] = row
+                print(f"{server.method:9s} {name:8s} c={concurrency}: {row['tok_s']:7.2f} tok/s  acceptance "
                       f"{row['acceptance']}", flush=True)
-    finally:
-        stop(gateway)
-        stop(worker)
-        log.close()
+            turn = (turn + 1) % len(servers)
     return rows
 
 
@@ -192,17 +213,25 @@ def main() -> int:
     loads = {name: levels for name, levels in workloads(args.requests).items() if name in chosen}
     results: dict[str, Any] = {"dtype": args.dtype, "max_tokens": args.max_tokens, "requests": args.requests,
                                "methods": {}, "skipped": {}}
+    chosen_methods: list[str] = []
+    for method in args.methods.split(","):
+        if method == "suffix" and importlib.util.find_spec("arctic_inference") is None:
+            results["skipped"]["suffix"] = "arctic-inference is not installed"
+            print("suffix skipped: arctic-inference is not installed", flush=True)
+            continue
+        chosen_methods.append(method)
     with tempfile.TemporaryDirectory() as config_dir:
         (Path(config_dir) / "lookahead_cache_config.json").write_text("{}")
-        for method in args.methods.split(","):
-            if method == "suffix":
-                try:
-                    import arctic_inference  # noqa: F401
-                except ImportError:
-                    results["skipped"]["suffix"] = "arctic-inference is not installed"
-                    print("suffix skipped: arctic-inference is not installed", flush=True)
-                    continue
-            results["methods"][method] = bench_method(method, args, Path(config_dir), loads)
+        servers = [start_server(method, args, Path(config_dir)) for method in chosen_methods]
+        try:
+            for server in servers:
+                wait_healthy(f"{server.base_url}/health", [server.worker, server.gateway])
+                asyncio.run(_run(server.base_url, [[{"role": "user", "content": "Hello!"}]], 1, 8))  # warm-up
+            results["methods"] = bench(servers, loads, args.max_tokens)
+        finally:
+            for server in servers:
+                stop(server.gateway)
+                stop(server.worker)
     methods = results["methods"]
     summary: dict[str, Any] = {}
     for key in methods.get("none", {}):
