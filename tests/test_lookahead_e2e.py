@@ -167,6 +167,12 @@ class Deployment:
                                                       temperature=0, max_tokens=max_tokens)
         return self.accepted() - before, reply.choices[0].message.content or ""
 
+    def answer_and_publish(self, messages: list[dict[str, str]]) -> tuple[float, str]:
+        """accepted_during, then wait until the finished sequence has left for the cache service."""
+        accepted, answer = self.accepted_during(messages)
+        wait_for(lambda: self.metrics().get("taco_llm_lookahead_sync_pending_records", 1) == 0, "publish")
+        return accepted, answer
+
     def records_in_redis(self) -> int:
         channel = grpc.insecure_channel(f"127.0.0.1:{self.cache_port}")
         try:
@@ -319,8 +325,7 @@ def test_per_request_mode_has_no_cross_request_drafts(per_request: Deployment) -
 
 def test_a_restarted_worker_drafts_from_the_index_in_redis(shared: Deployment) -> None:
     question = chat("Explain how a bicycle gear system works to a child.")
-    cold, answer = shared.accepted_during(question)
-    wait_for(lambda: shared.metrics().get("taco_llm_lookahead_sync_pending_records", 1) == 0, "publish")
+    cold, answer = shared.answer_and_publish(question)
     shared.stop_worker()
     shared.start_worker()
     wait_for(shared.ready, "the gateway to reconnect")
@@ -331,8 +336,7 @@ def test_a_restarted_worker_drafts_from_the_index_in_redis(shared: Deployment) -
 
 def test_restarting_redis_and_the_cache_service_keeps_the_index(shared: Deployment) -> None:
     question = chat("Give three tips for keeping houseplants alive in winter.")
-    cold, answer = shared.accepted_during(question)
-    wait_for(lambda: shared.metrics().get("taco_llm_lookahead_sync_pending_records", 1) == 0, "publish")
+    cold, answer = shared.answer_and_publish(question)
     records = shared.records_in_redis()
     shared.stop_worker()
     shared.stop_cache()
