@@ -168,9 +168,10 @@ class Deployment:
         return self.accepted() - before, reply.choices[0].message.content or ""
 
     def answer_and_publish(self, messages: list[dict[str, str]]) -> tuple[float, str]:
-        """accepted_during, then wait until the finished sequence has left for the cache service."""
+        """accepted_during, then wait until the finished sequence is in Redis."""
+        records = self.records_in_redis()
         accepted, answer = self.accepted_during(messages)
-        wait_for(lambda: self.metrics().get("taco_llm_lookahead_sync_pending_records", 1) == 0, "publish")
+        wait_for(lambda: self.records_in_redis() > records, "the sequence to reach Redis")
         return accepted, answer
 
     def records_in_redis(self) -> int:
