@@ -17,7 +17,11 @@ from typing import Any
 
 import grpc
 import redis.asyncio as redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from protos import lookahead_pb2, lookahead_pb2_grpc
 
@@ -60,8 +64,12 @@ class LookaheadIndexServicer(lookahead_pb2_grpc.LookaheadIndexServicer):
         self.redis: redis.Redis | None = None
         if redis_url:
             # Blocking reads wait LIVE_BLOCK_MS; the socket timeout must outlast them.
+            # A pooled connection that a Redis restart closed fails once; retrying on a fresh one hides
+            # that from callers.
             self.redis = redis.from_url(redis_url, socket_connect_timeout=2.0,
-                                        socket_timeout=LIVE_BLOCK_MS / 1000 + 5.0)
+                                        socket_timeout=LIVE_BLOCK_MS / 1000 + 5.0,
+                                        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3),
+                                        retry_on_error=[RedisConnectionError, RedisTimeoutError])
 
     async def _client(self, namespace: str, context: grpc.aio.ServicerContext) -> tuple[redis.Redis, str]:
         if not namespace or len(namespace) > MAX_NAMESPACE_LENGTH:
