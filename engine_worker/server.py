@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import logging
 import os
+import shutil
+import tempfile
 
 import grpc
 import prometheus_client
@@ -13,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import multiprocess
 from vllm.v1.engine.async_llm import AsyncLLM
-from vllm.v1.metrics.prometheus import get_prometheus_registry, setup_multiprocess_prometheus
+from vllm.v1.metrics.prometheus import get_prometheus_registry
 
 from protos import engine_pb2, engine_pb2_grpc
 
@@ -44,7 +47,11 @@ def _metrics_registry() -> prometheus_client.CollectorRegistry:
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # Set by the user before vLLM imported prometheus_client: every process writes files.
         return get_prometheus_registry()
-    setup_multiprocess_prometheus()
+    # Our own folder rather than vLLM's setup_multiprocess_prometheus, whose clean-up at exit fails
+    # on its TemporaryDirectory object and logs an error on every shutdown.
+    folder = tempfile.mkdtemp(prefix="taco_llm_metrics_")
+    atexit.register(shutil.rmtree, folder, True)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder
     multiprocess.MultiProcessCollector(prometheus_client.REGISTRY)
     return prometheus_client.REGISTRY
 
