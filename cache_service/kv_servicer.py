@@ -1,8 +1,12 @@
 """The KVBlockStore gRPC service (protos/kv_cache.proto) over the in-memory BlockStore.
 
 Every refusal is a precise status with a message naming the field, and ends only that call:
-INVALID_ARGUMENT (malformed keys, sizes or chunks), RESOURCE_EXHAUSTED (a block larger than the
-whole budget), DATA_LOSS (checksum mismatch), NOT_FOUND (a key not held).
+INVALID_ARGUMENT (malformed keys, sizes, chunks or window ranges), RESOURCE_EXHAUSTED (a block larger
+than the whole budget), DATA_LOSS (checksum mismatch), NOT_FOUND (a key not held),
+FAILED_PRECONDITION (a window that is not attached, or not reachable from here).
+
+Block bytes travel in the messages or through shared-memory windows (windows.py); either way the
+store holds its own copy.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from protos import kv_cache_pb2, kv_cache_pb2_grpc
 
 from .block_store import KEY_BYTES, Block, BlockStore, PutOutcome
 from .config import CacheServiceConfig
+from .windows import Window, WindowError, WindowTable
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +49,44 @@ async def _check_keys(keys: Sequence[bytes], context: grpc.aio.ServicerContext) 
 class KVBlockStoreServicer(kv_cache_pb2_grpc.KVBlockStoreServicer):
     def __init__(self, config: CacheServiceConfig):
         self.store = BlockStore(config.kv_budget_bytes, config.min_access_threshold, config.count_hits)
+        self.windows = WindowTable()
+
+    async def AttachWindow(self, request: kv_cache_pb2.AttachWindowRequest,
+                           context: grpc.aio.ServicerContext) -> kv_cache_pb2.AttachWindowResponse:
+        try:
+            window_id = self.windows.attach(request.name, request.size, request.nonce)
+        except WindowError as error:
+            await _abort(context, error.code, error.message)
+        logger.info("attached shared-memory window %s (%d bytes) as %d", request.name, request.size, window_id)
+        return kv_cache_pb2.AttachWindowResponse(window_id=window_id)
+
+    async def DetachWindow(self, request: kv_cache_pb2.DetachWindowRequest,
+                           context: grpc.aio.ServicerContext) -> kv_cache_pb2.DetachWindowResponse:
+        return kv_cache_pb2.DetachWindowResponse(detached=self.windows.detach(request.window_id))
+
+    async def _window(self, ref: kv_cache_pb2.WindowRef, context: grpc.aio.ServicerContext) -> Window:
+        try:
+            return self.windows.acquire(ref.window_id, ref.offset, ref.length)
+        except WindowError as error:
+            await _abort(context, error.code, error.message)
+
+    async def _read_window(self, chunk: kv_cache_pb2.PutBlocksChunk, index: int,
+                           context: grpc.aio.ServicerContext) -> bytes:
+        """A put block's bytes, copied out of the client's window."""
+        if chunk.data:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                         f"block {index}: data: a block whose bytes are in a window carries none in the message")
+        if chunk.window.length != chunk.header.size:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                         f"block {index}: window.length {chunk.window.length} is not header.size "
+                         f"{chunk.header.size}")
+        window = await self._window(chunk.window, context)
+        try:
+            return window.read(chunk.window.offset, chunk.window.length)
+        except WindowError as error:
+            await _abort(context, error.code, f"block {index}: {error.message}")
+        finally:
+            self.windows.release(window)
 
     async def Lookup(self, request: kv_cache_pb2.LookupRequest,
                      context: grpc.aio.ServicerContext) -> kv_cache_pb2.LookupResponse:
@@ -77,6 +120,18 @@ class KVBlockStoreServicer(kv_cache_pb2_grpc.KVBlockStoreServicer):
         data = bytearray()
         index = -1
         async for chunk in request_iterator:
+            from_window = chunk.HasField("window")
+            if from_window and chunk.HasField("header") and header is None:
+                index += 1
+                await self._check_header(chunk.header, index, context)
+                copied = await self._read_window(chunk, index, context)
+                if await self._store(chunk.header, copied, index, reply, context) is PutOutcome.STORED:
+                    self.windows.counters.bytes_stored_shm += len(copied)
+                continue
+            if from_window:
+                await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                             f"block {index + 1 if header is None else index}: window: only a block's header "
+                             "chunk may name a window, and not while another block's bytes are arriving")
             if chunk.HasField("header"):
                 if header is not None:
                     await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
@@ -96,51 +151,95 @@ class KVBlockStoreServicer(kv_cache_pb2_grpc.KVBlockStoreServicer):
                 await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                              f"block {index}: got more bytes than header.size {header.size}")
             if len(data) == header.size:
-                if zlib.crc32(data) != header.checksum:
-                    await _abort(context, grpc.StatusCode.DATA_LOSS,
-                                 f"block {index}: checksum mismatch (header.checksum {header.checksum}, "
-                                 f"bytes {zlib.crc32(data)})")
-                outcome = self.store.put(header.key, header.parent_key, bytes(data), header.num_segments,
-                                         header.checksum)
-                if outcome is PutOutcome.STORED:
-                    reply.num_stored += 1
-                elif outcome is PutOutcome.ALREADY_HELD:
-                    reply.num_already_held += 1
-                elif outcome is PutOutcome.BELOW_THRESHOLD:
-                    reply.num_below_threshold += 1
-                else:
-                    reply.num_no_room += 1
+                await self._store(header, bytes(data), index, reply, context)
                 header, data = None, bytearray()
         if header is not None:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                          f"block {index}: the stream ended after {len(data)} of its {header.size} bytes")
         return reply
 
+    async def _store(self, header: kv_cache_pb2.BlockHeader, data: bytes, index: int,
+                     reply: kv_cache_pb2.PutBlocksResponse, context: grpc.aio.ServicerContext) -> PutOutcome:
+        """Checks a complete block's checksum, stores it and counts the outcome in the reply."""
+        checksum = zlib.crc32(data)
+        if checksum != header.checksum:
+            await _abort(context, grpc.StatusCode.DATA_LOSS,
+                         f"block {index}: checksum mismatch (header.checksum {header.checksum}, bytes {checksum})")
+        outcome = self.store.put(header.key, header.parent_key, data, header.num_segments, header.checksum)
+        if outcome is PutOutcome.STORED:
+            reply.num_stored += 1
+        elif outcome is PutOutcome.ALREADY_HELD:
+            reply.num_already_held += 1
+        elif outcome is PutOutcome.BELOW_THRESHOLD:
+            reply.num_below_threshold += 1
+        else:
+            reply.num_no_room += 1
+        return outcome
+
     async def GetBlocks(self, request: kv_cache_pb2.GetBlocksRequest,
                         context: grpc.aio.ServicerContext) -> AsyncIterator[kv_cache_pb2.GetBlocksChunk]:
         await _check_keys(request.keys, context)
-        try:
-            blocks = self.store.acquire(list(request.keys))
-        except KeyError as missing:
-            index = missing.args[0]
-            await _abort(context, grpc.StatusCode.NOT_FOUND,
-                         f"keys[{index}]: block {request.keys[index].hex()[:16]}... is not held "
-                         "(evicted, or never stored)")
+        if request.HasField("window"):
+            async for message in self._get_into_window(request, context):
+                yield message
+            return
+        blocks = await self._acquire(request, context)
         served = False
         try:
             if request.segment_major and len({b.num_segments for b in blocks}) > 1:
                 await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                              "segment_major: the blocks have different numbers of segments")
-            yield kv_cache_pb2.GetBlocksChunk(headers=[
-                kv_cache_pb2.BlockHeader(key=b.key, parent_key=b.parent_key, size=len(b.data),
-                                         num_segments=b.num_segments, checksum=b.checksum) for b in blocks
-            ])
+            yield _headers(blocks)
             for index, start, end in _chunk_plan(blocks, request.segment_major):
                 yield kv_cache_pb2.GetBlocksChunk(block_index=index, offset=start,
                                                   data=blocks[index].data[start:end])
             served = True
         finally:
             self.store.release(blocks, served)
+
+    async def _acquire(self, request: kv_cache_pb2.GetBlocksRequest,
+                       context: grpc.aio.ServicerContext) -> list[Block]:
+        try:
+            return self.store.acquire(list(request.keys))
+        except KeyError as missing:
+            index = missing.args[0]
+            await _abort(context, grpc.StatusCode.NOT_FOUND,
+                         f"keys[{index}]: block {request.keys[index].hex()[:16]}... is not held "
+                         "(evicted, or never stored)")
+
+    async def _get_into_window(self, request: kv_cache_pb2.GetBlocksRequest,
+                               context: grpc.aio.ServicerContext) -> AsyncIterator[kv_cache_pb2.GetBlocksChunk]:
+        """Writes the blocks into the client's window segment-major, one message per finished segment."""
+        window = await self._window(request.window, context)
+        try:
+            blocks = await self._acquire(request, context)
+            served = False
+            try:
+                if len({b.num_segments for b in blocks}) > 1:
+                    await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                                 "keys: the blocks have different numbers of segments (a window holds them "
+                                 "segment-major)")
+                total = sum(len(b.data) for b in blocks)
+                if total > request.window.length:
+                    await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"window.length {request.window.length} cannot hold the {len(blocks)} blocks' "
+                                 f"{total} bytes")
+                yield _headers(blocks)
+                position = request.window.offset
+                for segment in range(blocks[0].num_segments if blocks else 0):
+                    for block in blocks:
+                        length = len(block.data) // block.num_segments
+                        window.write(position, memoryview(block.data)[segment * length:(segment + 1) * length])
+                        position += length
+                    yield kv_cache_pb2.GetBlocksChunk(segments_in_window=segment + 1)
+                served = True
+                self.windows.counters.bytes_served_shm += total
+            except WindowError as error:
+                await _abort(context, error.code, error.message)
+            finally:
+                self.store.release(blocks, served)
+        finally:
+            self.windows.release(window)
 
     async def Stats(self, request: kv_cache_pb2.StatsRequest,
                     context: grpc.aio.ServicerContext) -> kv_cache_pb2.StatsResponse:
@@ -153,10 +252,19 @@ class KVBlockStoreServicer(kv_cache_pb2_grpc.KVBlockStoreServicer):
             blocks_evicted=counters.blocks_evicted, bytes_stored=counters.bytes_stored,
             bytes_served=counters.bytes_served, min_access_threshold=store.min_access_threshold,
             hit_counts_enabled=store.count_hits, reads_in_progress=counters.reads_in_progress,
+            bytes_stored_shm=self.windows.counters.bytes_stored_shm,
+            bytes_served_shm=self.windows.counters.bytes_served_shm, windows_attached=len(self.windows),
         )
         if store.count_hits:
             reply.top_hits.extend(kv_cache_pb2.BlockHits(key=k, hits=h) for k, h in store.top_hits(TOP_HITS_REPORTED))
         return reply
+
+
+def _headers(blocks: Sequence[Block]) -> kv_cache_pb2.GetBlocksChunk:
+    return kv_cache_pb2.GetBlocksChunk(headers=[
+        kv_cache_pb2.BlockHeader(key=b.key, parent_key=b.parent_key, size=len(b.data),
+                                 num_segments=b.num_segments, checksum=b.checksum) for b in blocks
+    ])
 
 
 def _chunk_plan(blocks: Sequence[Block], segment_major: bool) -> list[tuple[int, int, int]]:

@@ -6,6 +6,44 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class WindowRef(_message.Message):
+    __slots__ = ("window_id", "offset", "length")
+    WINDOW_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    window_id: int
+    offset: int
+    length: int
+    def __init__(self, window_id: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class AttachWindowRequest(_message.Message):
+    __slots__ = ("name", "size", "nonce")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    nonce: bytes
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+
+class AttachWindowResponse(_message.Message):
+    __slots__ = ("window_id",)
+    WINDOW_ID_FIELD_NUMBER: _ClassVar[int]
+    window_id: int
+    def __init__(self, window_id: _Optional[int] = ...) -> None: ...
+
+class DetachWindowRequest(_message.Message):
+    __slots__ = ("window_id",)
+    WINDOW_ID_FIELD_NUMBER: _ClassVar[int]
+    window_id: int
+    def __init__(self, window_id: _Optional[int] = ...) -> None: ...
+
+class DetachWindowResponse(_message.Message):
+    __slots__ = ("detached",)
+    DETACHED_FIELD_NUMBER: _ClassVar[int]
+    detached: bool
+    def __init__(self, detached: _Optional[bool] = ...) -> None: ...
+
 class LookupRequest(_message.Message):
     __slots__ = ("keys",)
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -33,12 +71,14 @@ class BlockHeader(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., parent_key: _Optional[bytes] = ..., size: _Optional[int] = ..., num_segments: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class PutBlocksChunk(_message.Message):
-    __slots__ = ("header", "data")
+    __slots__ = ("header", "data", "window")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
     header: BlockHeader
     data: bytes
-    def __init__(self, header: _Optional[_Union[BlockHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    window: WindowRef
+    def __init__(self, header: _Optional[_Union[BlockHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., window: _Optional[_Union[WindowRef, _Mapping]] = ...) -> None: ...
 
 class PutBlocksResponse(_message.Message):
     __slots__ = ("num_stored", "num_already_held", "num_below_threshold", "num_no_room")
@@ -53,24 +93,28 @@ class PutBlocksResponse(_message.Message):
     def __init__(self, num_stored: _Optional[int] = ..., num_already_held: _Optional[int] = ..., num_below_threshold: _Optional[int] = ..., num_no_room: _Optional[int] = ...) -> None: ...
 
 class GetBlocksRequest(_message.Message):
-    __slots__ = ("keys", "segment_major")
+    __slots__ = ("keys", "segment_major", "window")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_MAJOR_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     segment_major: bool
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., segment_major: _Optional[bool] = ...) -> None: ...
+    window: WindowRef
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., segment_major: _Optional[bool] = ..., window: _Optional[_Union[WindowRef, _Mapping]] = ...) -> None: ...
 
 class GetBlocksChunk(_message.Message):
-    __slots__ = ("headers", "block_index", "offset", "data")
+    __slots__ = ("headers", "block_index", "offset", "data", "segments_in_window")
     HEADERS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_IN_WINDOW_FIELD_NUMBER: _ClassVar[int]
     headers: _containers.RepeatedCompositeFieldContainer[BlockHeader]
     block_index: int
     offset: int
     data: bytes
-    def __init__(self, headers: _Optional[_Iterable[_Union[BlockHeader, _Mapping]]] = ..., block_index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    segments_in_window: int
+    def __init__(self, headers: _Optional[_Iterable[_Union[BlockHeader, _Mapping]]] = ..., block_index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., segments_in_window: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
@@ -85,7 +129,7 @@ class BlockHits(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., hits: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("bytes_used", "bytes_budget", "num_blocks", "lookups", "lookup_hit_blocks", "lookup_miss_blocks", "blocks_served", "blocks_stored", "blocks_below_threshold", "blocks_evicted", "bytes_stored", "bytes_served", "min_access_threshold", "hit_counts_enabled", "top_hits", "reads_in_progress")
+    __slots__ = ("bytes_used", "bytes_budget", "num_blocks", "lookups", "lookup_hit_blocks", "lookup_miss_blocks", "blocks_served", "blocks_stored", "blocks_below_threshold", "blocks_evicted", "bytes_stored", "bytes_served", "min_access_threshold", "hit_counts_enabled", "top_hits", "reads_in_progress", "bytes_stored_shm", "bytes_served_shm", "windows_attached")
     BYTES_USED_FIELD_NUMBER: _ClassVar[int]
     BYTES_BUDGET_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +146,9 @@ class StatsResponse(_message.Message):
     HIT_COUNTS_ENABLED_FIELD_NUMBER: _ClassVar[int]
     TOP_HITS_FIELD_NUMBER: _ClassVar[int]
     READS_IN_PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_STORED_SHM_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SERVED_SHM_FIELD_NUMBER: _ClassVar[int]
+    WINDOWS_ATTACHED_FIELD_NUMBER: _ClassVar[int]
     bytes_used: int
     bytes_budget: int
     num_blocks: int
@@ -118,4 +165,7 @@ class StatsResponse(_message.Message):
     hit_counts_enabled: bool
     top_hits: _containers.RepeatedCompositeFieldContainer[BlockHits]
     reads_in_progress: int
-    def __init__(self, bytes_used: _Optional[int] = ..., bytes_budget: _Optional[int] = ..., num_blocks: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_hit_blocks: _Optional[int] = ..., lookup_miss_blocks: _Optional[int] = ..., blocks_served: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., blocks_below_threshold: _Optional[int] = ..., blocks_evicted: _Optional[int] = ..., bytes_stored: _Optional[int] = ..., bytes_served: _Optional[int] = ..., min_access_threshold: _Optional[int] = ..., hit_counts_enabled: _Optional[bool] = ..., top_hits: _Optional[_Iterable[_Union[BlockHits, _Mapping]]] = ..., reads_in_progress: _Optional[int] = ...) -> None: ...
+    bytes_stored_shm: int
+    bytes_served_shm: int
+    windows_attached: int
+    def __init__(self, bytes_used: _Optional[int] = ..., bytes_budget: _Optional[int] = ..., num_blocks: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_hit_blocks: _Optional[int] = ..., lookup_miss_blocks: _Optional[int] = ..., blocks_served: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., blocks_below_threshold: _Optional[int] = ..., blocks_evicted: _Optional[int] = ..., bytes_stored: _Optional[int] = ..., bytes_served: _Optional[int] = ..., min_access_threshold: _Optional[int] = ..., hit_counts_enabled: _Optional[bool] = ..., top_hits: _Optional[_Iterable[_Union[BlockHits, _Mapping]]] = ..., reads_in_progress: _Optional[int] = ..., bytes_stored_shm: _Optional[int] = ..., bytes_served_shm: _Optional[int] = ..., windows_attached: _Optional[int] = ...) -> None: ...

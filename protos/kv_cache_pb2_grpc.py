@@ -54,6 +54,16 @@ class KVBlockStoreStub:
                 request_serializer=protos_dot_kv__cache__pb2.StatsRequest.SerializeToString,
                 response_deserializer=protos_dot_kv__cache__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.AttachWindow = channel.unary_unary(
+                '/taco_llm.cache.v1.KVBlockStore/AttachWindow',
+                request_serializer=protos_dot_kv__cache__pb2.AttachWindowRequest.SerializeToString,
+                response_deserializer=protos_dot_kv__cache__pb2.AttachWindowResponse.FromString,
+                _registered_method=True)
+        self.DetachWindow = channel.unary_unary(
+                '/taco_llm.cache.v1.KVBlockStore/DetachWindow',
+                request_serializer=protos_dot_kv__cache__pb2.DetachWindowRequest.SerializeToString,
+                response_deserializer=protos_dot_kv__cache__pb2.DetachWindowResponse.FromString,
+                _registered_method=True)
 
 
 class KVBlockStoreServicer:
@@ -91,6 +101,28 @@ class KVBlockStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AttachWindow(self, request, context):
+        """Attaches a shared-memory window that the client created: a regular file directly under /dev/shm
+        named taco_llm-kv-<pid>-<hex>, of `size` bytes, holding `nonce` in its first 16 bytes. The
+        service opens it (never following a link), checks the size and the nonce (which proves it sees
+        the client's own file: the same host or IPC namespace), and keeps it open; the client may unlink
+        the file as soon as this returns. INVALID_ARGUMENT names a malformed field (name, size, nonce);
+        FAILED_PRECONDITION says the window is not reachable from the service (no such file, another
+        file, a wrong nonce): the client then sends bytes over gRPC. The service keeps the 64 most
+        recently used windows and drops one unused for 10 minutes; a call naming a dropped window gets
+        FAILED_PRECONDITION and the client attaches a new one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DetachWindow(self, request, context):
+        """Lets the service forget a window (the client is shutting down or replacing it). Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVBlockStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +145,16 @@ def add_KVBlockStoreServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=protos_dot_kv__cache__pb2.StatsRequest.FromString,
                     response_serializer=protos_dot_kv__cache__pb2.StatsResponse.SerializeToString,
+            ),
+            'AttachWindow': grpc.unary_unary_rpc_method_handler(
+                    servicer.AttachWindow,
+                    request_deserializer=protos_dot_kv__cache__pb2.AttachWindowRequest.FromString,
+                    response_serializer=protos_dot_kv__cache__pb2.AttachWindowResponse.SerializeToString,
+            ),
+            'DetachWindow': grpc.unary_unary_rpc_method_handler(
+                    servicer.DetachWindow,
+                    request_deserializer=protos_dot_kv__cache__pb2.DetachWindowRequest.FromString,
+                    response_serializer=protos_dot_kv__cache__pb2.DetachWindowResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +265,60 @@ class KVBlockStore:
             '/taco_llm.cache.v1.KVBlockStore/Stats',
             protos_dot_kv__cache__pb2.StatsRequest.SerializeToString,
             protos_dot_kv__cache__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttachWindow(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/taco_llm.cache.v1.KVBlockStore/AttachWindow',
+            protos_dot_kv__cache__pb2.AttachWindowRequest.SerializeToString,
+            protos_dot_kv__cache__pb2.AttachWindowResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DetachWindow(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/taco_llm.cache.v1.KVBlockStore/DetachWindow',
+            protos_dot_kv__cache__pb2.DetachWindowRequest.SerializeToString,
+            protos_dot_kv__cache__pb2.DetachWindowResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,208 @@
+"""Shared-memory windows: client-owned /dev/shm files the service reads puts from and writes gets into.
+
+A window is a transport buffer, never storage: a put's bytes are copied out into the block store,
+a get's bytes are copied in, and the window's memory belongs to (and is counted by) the client.
+
+The service keeps each window's file descriptor, not a mapping, and copies with pread/pwrite: a
+client that shrinks its file after attaching it then gets a short read or a refused call, where a
+mapping would take the whole service down with SIGBUS on the first touch past the new end.
+
+Pure bookkeeping plus file I/O, no gRPC: the servicer validates requests and reports the errors
+raised here (WindowError carries the status and a message naming the field).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import secrets
+import stat
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import grpc
+
+SHM_DIR = "/dev/shm"
+# taco_llm-kv-<pid>-<random hex>: a plain name, so no path can reach outside /dev/shm.
+NAME_PATTERN = re.compile(r"taco_llm-kv-[0-9]{1,10}-[0-9a-f]{8,64}")
+NONCE_BYTES = 16
+MAX_WINDOW_BYTES = 4 * 1024**3
+MAX_WINDOWS = 64            # the least recently used beyond this are dropped
+IDLE_SECONDS = 600.0        # a window unused this long is dropped (its client may be gone)
+
+
+class WindowError(Exception):
+    """A refusal: the gRPC status and a message that names the field at fault."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class Window:
+    window_id: int
+    name: str
+    fd: int
+    size: int
+    last_used: float
+    users: int = 0         # calls copying through it now: its fd is closed only once this is 0
+    dropped: bool = False
+
+    def read(self, offset: int, length: int) -> bytes:
+        """The range's bytes; WindowError if the client shrank the file under us."""
+        with _os_errors("read"):
+            data = os.pread(self.fd, length, offset)
+        if len(data) != length:
+            raise WindowError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"window.window_id {self.window_id}: read {len(data)} of {length} bytes at "
+                              f"offset {offset}; the client shrank its window")
+        return data
+
+    def write(self, offset: int, data: memoryview) -> None:
+        written = 0
+        while written < len(data):
+            with _os_errors("write"):
+                step = os.pwrite(self.fd, data[written:], offset + written)
+            if step <= 0:
+                raise WindowError(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"window.window_id {self.window_id}: the write stopped at {written} bytes")
+            written += step
+
+
+@contextlib.contextmanager
+def _os_errors(what: str) -> Iterator[None]:
+    try:
+        yield
+    except OSError as error:
+        code = (grpc.StatusCode.RESOURCE_EXHAUSTED if error.errno in (errno.ENOSPC, errno.ENOMEM)
+                else grpc.StatusCode.FAILED_PRECONDITION)
+        raise WindowError(code, f"window: cannot {what} it ({os.strerror(error.errno or 0)})") from None
+
+
+@dataclass
+class WindowCounters:
+    bytes_stored_shm: int = 0
+    bytes_served_shm: int = 0
+
+
+@dataclass
+class WindowTable:
+    """The attached windows, least recently used first."""
+
+    max_windows: int = MAX_WINDOWS
+    idle_seconds: float = IDLE_SECONDS
+    shm_dir: str = SHM_DIR
+    counters: WindowCounters = field(default_factory=WindowCounters)
+
+    def __post_init__(self) -> None:
+        self._windows: OrderedDict[int, Window] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._windows)
+
+    def attach(self, name: str, size: int, nonce: bytes) -> int:
+        if not NAME_PATTERN.fullmatch(name):
+            raise WindowError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"name: {name[:80]!r} is not a window name (taco_llm-kv-<pid>-<hex digits>, "
+                              f"a plain name under {self.shm_dir})")
+        if not NONCE_BYTES <= size <= MAX_WINDOW_BYTES:
+            raise WindowError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"size: a window is {NONCE_BYTES} to {MAX_WINDOW_BYTES} bytes, got {size}")
+        if len(nonce) != NONCE_BYTES:
+            raise WindowError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"nonce: {NONCE_BYTES} bytes, got {len(nonce)}")
+        fd = self._open(name)
+        try:
+            self._check(fd, name, size, nonce)
+        except BaseException:
+            os.close(fd)
+            raise
+        window_id = secrets.randbits(63) + 1  # never 0 (proto3's unset), and no reuse after a restart
+        self._windows[window_id] = Window(window_id, name, fd, size, time.monotonic())
+        self._expire()
+        return window_id
+
+    def _open(self, name: str) -> int:
+        path = os.path.join(self.shm_dir, name)
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+        try:
+            return os.open(path, flags)
+        except OSError as error:
+            if error.errno == errno.ELOOP:
+                raise WindowError(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"name: {path} is a symbolic link, not a window") from None
+            raise WindowError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"name: window {path} is not reachable from the cache service "
+                              f"({os.strerror(error.errno or 0)}): not the same host or IPC namespace") from None
+
+    def _check(self, fd: int, name: str, size: int, nonce: bytes) -> None:
+        with _os_errors("stat"):
+            info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise WindowError(grpc.StatusCode.INVALID_ARGUMENT, f"name: {name} is not a regular file")
+        if info.st_size != size:
+            raise WindowError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"size: the window {name} holds {info.st_size} bytes, not {size}")
+        with _os_errors("read"):
+            found = os.pread(fd, NONCE_BYTES, 0)
+        if found != nonce:
+            raise WindowError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"nonce: the file {name} the cache service sees holds another nonce: not the "
+                              "client's own window (not the same host or IPC namespace)")
+
+    def detach(self, window_id: int) -> bool:
+        window = self._windows.pop(window_id, None)
+        if window is None:
+            return False
+        self._drop(window)
+        return True
+
+    def acquire(self, window_id: int, offset: int, length: int) -> Window:
+        """The window, pinned for one call's copies (release it after); checks the range."""
+        self._expire()
+        window = self._windows.get(window_id)
+        if window is None:
+            raise WindowError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"window.window_id {window_id} is not attached (the cache service restarted, or "
+                              "dropped it): attach a new window")
+        if offset > window.size:
+            raise WindowError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"window.offset {offset} is beyond the window's {window.size} bytes")
+        if length == 0 or length > window.size - offset:
+            raise WindowError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"window.length {length} at offset {offset} does not fit in the window's "
+                              f"{window.size} bytes (or is 0)")
+        window.users += 1
+        window.last_used = time.monotonic()
+        self._windows.move_to_end(window_id)
+        return window
+
+    def release(self, window: Window) -> None:
+        window.users -= 1
+        if window.dropped and window.users == 0:
+            os.close(window.fd)
+
+    def close(self) -> None:
+        for window_id in list(self._windows):
+            self.detach(window_id)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._windows:
+            oldest = next(iter(self._windows.values()))
+            if len(self._windows) <= self.max_windows and now - oldest.last_used < self.idle_seconds:
+                return
+            del self._windows[oldest.window_id]
+            self._drop(oldest)
+
+    @staticmethod
+    def _drop(window: Window) -> None:
+        window.dropped = True
+        if window.users == 0:
+            os.close(window.fd)
