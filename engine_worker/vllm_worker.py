@@ -1,7 +1,10 @@
-"""vLLM's own worker class, with two additions for the lookahead proposer: it learns which request is
-in which batch row, and which requests have finished. vLLM's `custom_class` proposer interface passes
-token arrays but no request ids, and per-request state (prompt versus output, when a request ends)
-needs them. Selected through vLLM's supported `worker_cls` setting, so nothing in vLLM is patched.
+"""vLLM's own worker class, with what taco-llm needs inside vLLM's engine process. Selected through vLLM's
+supported `worker_cls` setting whenever speculative decoding is on, so nothing in vLLM is patched.
+
+- The sampling correction of sampling_fix.py, installed before the model runner first samples.
+- For the lookahead proposer: which request is in which batch row, and which requests have finished.
+  vLLM's `custom_class` proposer interface passes token arrays but no request ids, and per-request
+  state (prompt versus output, when a request ends) needs them.
 """
 
 from __future__ import annotations
@@ -10,18 +13,23 @@ from typing import Any
 
 from vllm.platforms import current_platform
 
-from .proposer import LookaheadProposer
+from . import sampling_fix
+from .lookahead.proposer import LookaheadProposer
 
 if current_platform.is_cpu():
     from vllm.v1.worker.cpu_worker import CPUWorker as _PlatformWorker
 else:
     from vllm.v1.worker.gpu_worker import Worker as _PlatformWorker  # type: ignore[assignment]
 
-WORKER_CLASS = f"{__name__}.LookaheadWorker"
 
-
-class LookaheadWorker(_PlatformWorker):
+class TacoWorker(_PlatformWorker):
     lookahead: LookaheadProposer | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # vLLM registers its platform's kernel replacements before it builds the worker; the correction
+        # goes in after them.
+        sampling_fix.apply()
+        super().__init__(*args, **kwargs)
 
     def init_device(self) -> Any:
         result = super().init_device()
