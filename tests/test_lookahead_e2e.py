@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from protos import lookahead_pb2, lookahead_pb2_grpc
 
 from .conftest import ENGINE_FLAGS
+from .distribution import permutation_p_value
 from .support import ROOT, Process, RedisServer, Stack, free_port, http_status, start, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -260,6 +261,48 @@ def test_greedy_output_is_identical_to_no_speculation(stack: Stack, shared: Depl
     assert shared.accepted() > before, "no draft was accepted, so this proved nothing"
     # vLLM's own counters (its stat logger, in the worker's front end) see the same drafts.
     assert shared.metrics().get("vllm:spec_decode_num_accepted_tokens_total", 0) > 0
+
+
+SAMPLED_PROMPT = "The list of colours is red, green, blue, yellow. Again: red, green, blue, yellow. Again: red,"
+SAMPLES = 300  # per arm, each its own request with its own seed
+SAMPLED_TOKENS = 4
+
+
+async def _samples(base_url: str, seeds: range, temperature: float) -> list[tuple[int, ...]]:
+    """The first SAMPLED_TOKENS tokens of one sampled continuation per seed, 8 requests at a time (the
+    proposer drafts for up to 8 decoding requests)."""
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    gate = asyncio.Semaphore(8)
+
+    async def one(seed: int) -> tuple[int, ...]:
+        async with gate:
+            reply = await client.completions.create(
+                model=MODEL, prompt=SAMPLED_PROMPT, temperature=temperature, max_tokens=SAMPLED_TOKENS, seed=seed,
+                extra_body={"return_token_ids": True, "ignore_eos": True})
+            return tuple(extra(reply.choices[0], "token_ids"))
+
+    samples = await asyncio.gather(*(one(seed) for seed in seeds))
+    await client.close()
+    return list(samples)
+
+
+def test_sampled_output_keeps_its_distribution(stack: Stack, shared: Deployment) -> None:
+    """Drafts change how many tokens a step yields, never which: vLLM's rejection sampler accepts a
+    drafted token with the model's own probability of it and otherwise samples from the rest. (On CPU this
+    holds only with engine_worker/sampling_fix.py, which this test would catch missing.)"""
+    before = shared.metrics()
+    drafted_arm = asyncio.run(_samples(shared.base_url, range(SAMPLES, 2 * SAMPLES), 1.0))
+    after = shared.metrics()
+    drafted = after["taco_llm_lookahead_drafted_tokens_total"] - before["taco_llm_lookahead_drafted_tokens_total"]
+    accepted = after["taco_llm_lookahead_accepted_tokens_total"] - before["taco_llm_lookahead_accepted_tokens_total"]
+    # Both paths of the rejection sampler ran: drafts accepted, and drafts rejected and resampled.
+    assert 0 < accepted < drafted, f"{accepted} of {drafted} drafted tokens accepted"
+    plain_arm = asyncio.run(_samples(stack.base_url, range(SAMPLES), 1.0))
+    p_same = permutation_p_value(drafted_arm, plain_arm)
+    assert p_same > 0.001, f"with drafts the continuations are distributed differently (p={p_same})"
+    # The test has the power to see a change no larger than a cooler temperature.
+    cooler = asyncio.run(_samples(stack.base_url, range(2 * SAMPLES, 3 * SAMPLES), 0.8))
+    assert permutation_p_value(cooler, plain_arm) < 0.001, "the test cannot tell temperature 0.8 from 1.0"
 
 
 def test_warmup_file_feeds_the_first_request(shared: Deployment,

@@ -100,3 +100,34 @@ def test_prefill_chunks_get_no_draft_and_drafts_respect_the_context_length(tmp_p
     assert step(proposer, {"a": PROMPT}, {"a": len(PROMPT)}, {"a": []}) == {"a": []}
     cycle = list(range(100, 120)) * 13  # 252 tokens of 256 leave room for 3 more
     assert step(proposer, {"b": cycle[:252]}, {"b": 20}, {"b": [cycle[251]]})["b"] == cycle[252:255]
+
+
+def test_requests_running_side_by_side_draft_from_each_others_output(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    proposer = make_proposer(tmp_path, monkeypatch)
+    output = list(range(50, 64))
+    # "a" is ahead: it has produced the whole output; "b", on another prompt, is half way through it.
+    requests = {"a": [*PROMPT, *output], "b": [1, 2, 3, 4, *output[:7]]}
+    drafts = step(proposer, requests, {"a": len(PROMPT), "b": 4}, {"a": [63], "b": [56]})
+    assert drafts["b"] == output[7:14]
+    assert proposer.drafter.shared_tokens() == 0, "nothing has finished: the draft came from the live request"
+
+
+def test_live_drafts_leave_out_other_prompts_with_ignore_prompt(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    proposer = make_proposer(tmp_path, monkeypatch, ignore_prompt=True)
+    output = list(range(70, 84))
+    requests = {"a": [*PROMPT, *output], "b": [1, 2, 3, 4, *PROMPT[:9]]}
+    drafts = step(proposer, requests, {"a": len(PROMPT), "b": 4}, {"a": [83], "b": [PROMPT[8]]})
+    assert drafts["b"] == [], "b drafted from a's prompt"
+    requests["b"] += output[:7]
+    drafts = step(proposer, requests, {"a": len(PROMPT), "b": 4}, {"a": [83], "b": [output[6]]})
+    assert drafts["b"] == output[7:14]
+
+
+def test_per_request_mode_never_drafts_from_live_requests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    proposer = make_proposer(tmp_path, monkeypatch, config={"global_cache_switch": False})
+    output = list(range(50, 64))
+    requests = {"a": [*PROMPT, *output], "b": [1, 2, 3, 4, *output[:7]]}
+    drafts = step(proposer, requests, {"a": len(PROMPT), "b": 4}, {"a": [63], "b": [56]})
+    assert drafts["b"] == []

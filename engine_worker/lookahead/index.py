@@ -75,6 +75,15 @@ class TokenIndex:
 
 
 @dataclass(slots=True)
+class LiveSequence:
+    """Another running request's tokens; positions before first_position are not drafted from (its
+    prompt, with --ignore-prompt-for-lookahead-cache)."""
+
+    index: TokenIndex
+    first_position: int = 0
+
+
+@dataclass(slots=True)
 class Occurrence:
     index: TokenIndex
     position: int
@@ -128,22 +137,23 @@ class Drafter:
     # --- drafting ---------------------------------------------------------------------------------
 
     def _occurrences(self, index: TokenIndex, tail: array[int], length: int, weight: float,
-                     local: bool, out: list[Occurrence]) -> None:
+                     local: bool, out: list[Occurrence], first_position: int = 0) -> None:
         cell = index.positions.get(tail[-length:].tobytes())
         if not cell:
             return
         tokens, size = index.tokens, len(index.tokens)
         limit = min(self.max_match, len(tail))
         for position in cell:
-            if position >= size:
-                continue  # the tail itself, with nothing after it yet
+            if position >= size or position < first_position:
+                continue  # the tail itself, with nothing after it yet; or a part not to draft from
             matched = length
             while (matched < limit and position - matched - 1 >= 0
                    and tokens[position - matched - 1] == tail[-matched - 1]):
                 matched += 1
             out.append(Occurrence(index, position, matched, weight, local))
 
-    def find(self, tail: array[int], own: TokenIndex | None) -> list[Occurrence]:
+    def find(self, tail: array[int], own: TokenIndex | None,
+             live: Sequence[LiveSequence] = ()) -> list[Occurrence]:
         """Occurrences of the longest key that matches anywhere, longest backward match first."""
         found: list[Occurrence] = []
         for length in self.key_lengths:
@@ -154,17 +164,22 @@ class Drafter:
             if self.config.global_cache_switch:
                 self._occurrences(self.current, tail, length, 1.0, False, found)
                 self._occurrences(self.previous, tail, length, self.config.decay, False, found)
+                for other in live:
+                    self._occurrences(other.index, tail, length, 1.0, False, found, other.first_position)
             found = [o for o in found if o.matched >= self.config.min_match_length]
             if found:
                 break
         found.sort(key=lambda o: (o.matched, o.local, o.weight, o.position), reverse=True)
         return found
 
-    def draft(self, tail: array[int], own: TokenIndex | None, max_len: int) -> list[int]:
-        """Up to max_len tokens to follow `tail` (the int32 array of the sequence's last tokens)."""
+    def draft(self, tail: array[int], own: TokenIndex | None, max_len: int,
+              live: Sequence[LiveSequence] = ()) -> list[int]:
+        """Up to max_len tokens to follow `tail` (the int32 array of the sequence's last tokens).
+        `live` are other requests still running: what they have produced so far is drafted from too,
+        so that concurrent requests on the same template or document help each other at once."""
         if max_len <= 0:
             return []
-        voters = self.find(tail, own)
+        voters = self.find(tail, own, live)
         if not voters:
             return []
         best = voters[0].matched

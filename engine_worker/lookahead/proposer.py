@@ -23,7 +23,7 @@ import numpy as np
 
 from . import metrics
 from .config import load_config, load_warmup
-from .index import Drafter, TokenIndex
+from .index import Drafter, LiveSequence, TokenIndex
 from .settings import LookaheadSettings
 from .sync import IndexSync
 
@@ -127,7 +127,7 @@ class LookaheadProposer:
     # --- vLLM's proposer interface ------------------------------------------------------------------
 
     def bind_runner(self, runner: Any) -> None:
-        """Called by engine_worker.lookahead.worker once the model runner exists: the runner's input
+        """Called by engine_worker.vllm_worker once the model runner exists: the runner's input
         batch names the request in each row, which `propose` is not given."""
         self.runner = runner
 
@@ -138,16 +138,15 @@ class LookaheadProposer:
                 token_ids_cpu: np.ndarray, slot_mappings: Any = None) -> list[list[int]]:
         if self.runner is None:
             raise RuntimeError("the lookahead proposer needs the worker class "
-                               "engine_worker.lookahead.worker.LookaheadWorker (taco_llm worker sets it)")
+                               "engine_worker.vllm_worker.TacoWorker (taco_llm worker sets it)")
         started = time.perf_counter()
         batch = self.runner.input_batch
         self._drain_inbox(INBOX_TOKENS_PER_STEP)
-        decoding = sum(1 for sampled in sampled_token_ids if sampled)
-        speculate = decoding <= self.max_parallel
-        drafts: list[list[int]] = []
+        # First every decoding request takes in its new tokens, then each drafts, so that requests
+        # running side by side draft from one another's latest output.
+        decoding: list[tuple[int, RequestState, int]] = []
         for row, sampled in enumerate(sampled_token_ids):
             if not sampled:  # a prefill chunk: nothing to verify yet
-                drafts.append([])
                 continue
             state = self._state(batch.req_ids[row], row, batch)
             num_tokens = int(num_tokens_no_spec[row])
@@ -158,7 +157,14 @@ class LookaheadProposer:
             known = len(state.own.tokens)
             if num_tokens > known:
                 state.own.extend(token_ids_cpu[row, known:num_tokens].tolist(), 0)
-            drafts.append(self._draft(state, num_tokens) if speculate else [])
+            decoding.append((row, state, num_tokens))
+        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        if len(decoding) <= self.max_parallel:
+            live = [LiveSequence(state.own, state.num_prompt if self.settings.ignore_prompt else 0)
+                    for _, state, _ in decoding] if self.config.global_cache_switch else []
+            for position, (row, state, num_tokens) in enumerate(decoding):
+                others = live[:position] + live[position + 1:]
+                drafts[row] = self._draft(state, num_tokens, others)
         self._forget_lost()
         elapsed = time.perf_counter() - started
         self.stats.steps += 1
@@ -177,7 +183,7 @@ class LookaheadProposer:
             self.requests[req_id] = state
         return state
 
-    def _draft(self, state: RequestState, num_tokens: int) -> list[int]:
+    def _draft(self, state: RequestState, num_tokens: int, live: Sequence[LiveSequence]) -> list[int]:
         room = min(state.cap, self.max_model_len - num_tokens - 1)
         if room <= 0:
             return []
@@ -185,7 +191,7 @@ class LookaheadProposer:
         if state.skip > 0:
             state.skip -= 1
             return []
-        draft = self.drafter.draft(tail, state.own, room)
+        draft = self.drafter.draft(tail, state.own, room, live)
         if draft:
             state.drafted = len(draft)
             self.stats.drafts += 1
