@@ -7,6 +7,7 @@ import logging
 
 from vllm.config import KVTransferConfig
 
+from .client import TRANSPORTS
 from .connector import DEFAULT_LOOKUP_TIMEOUT
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,11 @@ def add_offload_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--apc-offload-lookup-timeout", type=float, default=DEFAULT_LOOKUP_TIMEOUT,
                        help="seconds the scheduler waits for the cache service's answer on a prefix-cache "
                        "miss before recomputing (default %(default)s)")
+    group.add_argument("--apc-offload-transport", choices=TRANSPORTS, default="auto",
+                       help="how block bytes travel to and from the cache service: 'auto' (the default) uses "
+                       "shared memory (/dev/shm) when the service can reach it (the same host, or containers "
+                       "sharing an IPC namespace) and gRPC messages otherwise; 'grpc' always uses gRPC "
+                       "messages (taco-llm's own flag, not TACO-LLM's)")
 
 
 def _check_address(address: str, parser: argparse.ArgumentParser) -> None:
@@ -51,6 +57,8 @@ def apply_offload_args(args: argparse.Namespace, parser: argparse.ArgumentParser
     if not args.enable_prefix_cache_offload:
         if args.apc_offload_not_lazy:
             parser.error("--apc-offload-not-lazy needs --enable-prefix-cache-offload")
+        if args.apc_offload_transport != "auto":
+            parser.error("--apc-offload-transport needs --enable-prefix-cache-offload")
         return address
     if address is None:
         parser.error("--enable-prefix-cache-offload needs --cache-service HOST:PORT (taco_llm serve starts "
@@ -69,6 +77,7 @@ def apply_offload_args(args: argparse.Namespace, parser: argparse.ArgumentParser
             "cache_service": address,
             "lazy": not args.apc_offload_not_lazy,
             "lookup_timeout": args.apc_offload_lookup_timeout,
+            "transport": args.apc_offload_transport,
         },
     )
     return address

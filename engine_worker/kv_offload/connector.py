@@ -9,24 +9,20 @@ the service holds; the ones beyond the local hit are loaded instead of computed.
 metadata lists the blocks to load and the full prompt blocks to save: those computed this step, and
 local hits the service lacks (so a restarted service, or a raised access count, refills it).
 
-Worker role: loads stream in segment-major order (segment = layer), so layer 0 of every block lands
-first and the forward pass waits per layer ("lazy", the default), or for all of it before the pass
-with --apc-offload-not-lazy. Saves copy the blocks out of the KV cache after the pass (a memcpy)
-and a background thread sends them. A failed or corrupt load reports its blocks to vLLM, which
-throws that step's output away and recomputes them (kv_load_failure_policy "recompute").
+Worker role (transfer.py): loads arrive in segment-major order (segment = layer), so layer 0 of
+every block lands first and the forward pass waits per layer ("lazy", the default), or for all of it
+before the pass with --apc-offload-not-lazy. Saves copy the blocks out of the KV cache after the pass
+(one gather per layer, straight into a shared-memory ring or a private buffer) and a background
+thread sends them. A failed or corrupt load reports its blocks to vLLM, which throws that step's
+output away and recomputes them (kv_load_failure_policy "recompute").
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
-import zlib
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import grpc
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -37,6 +33,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .client import BlockPayload, KVBlockClient
 from .hashing import chain_keys, engine_salt, rank_key, request_salt
+from .transfer import KVLayout, LayerwiseLoad, SaveBatch, Sender, byte_view
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -60,12 +57,6 @@ def _ensure_logging() -> None:
         parent.setLevel(logging.INFO)
 
 DEFAULT_LOOKUP_TIMEOUT = 0.25  # seconds the scheduler waits for a Lookup before recomputing
-LOAD_TIMEOUT_SECONDS = 30.0   # base deadline of one step's GetBlocks
-LOAD_SECONDS_PER_GIB = 10.0   # plus this much per GiB loaded (far below what the service delivers)
-SAVE_TIMEOUT_SECONDS = 30.0
-# Blocks copied out for saving but not yet sent are capped; beyond it new saves are dropped (they
-# are only a future cache miss), so a slow service cannot grow the worker's memory.
-MAX_PENDING_SAVE_BYTES = 512 * 1024**2
 
 
 @dataclass
@@ -121,20 +112,22 @@ class TacoOffloadConnector(KVConnectorBase_V1):
         self._tp_size = parallel.tensor_parallel_size
         self._tp_rank = _tensor_parallel_rank() if role == KVConnectorRole.WORKER else 0
         self._engine_salt = engine_salt(_salt_factors(vllm_config, kv_cache_config))
-        self._client = KVBlockClient(address, float(settings.get("lookup_timeout", DEFAULT_LOOKUP_TIMEOUT)))
+        transport = str(settings.get("transport", "auto"))
+        self._client = KVBlockClient(address, float(settings.get("lookup_timeout", DEFAULT_LOOKUP_TIMEOUT)),
+                                     transport)
         # Scheduler role.
         self._requests: dict[str, _RequestState] = {}
         # Worker role.
-        self._layers: list[torch.Tensor] = []
+        self._layout: KVLayout | None = None
         self._layer_index: dict[str, int] = {}
-        self._block_dim = 0
-        self._load: _LayerwiseLoad | None = None
+        self._load: LayerwiseLoad | None = None
         self._failed_block_ids: set[int] = set()
-        self._sender: _Sender | None = None
+        self._sender: Sender | None = None
         if role == KVConnectorRole.WORKER:
-            self._sender = _Sender(self._client)
-        logger.info("prefix-KV offload: %s role, cache service %s, %s loading", role.name.lower(), address,
-                    "lazy (layer by layer)" if self._lazy else "not lazy (before the forward pass)")
+            self._sender = Sender(self._client)
+        logger.info("prefix-KV offload: %s role, cache service %s, %s loading, transport %s", role.name.lower(),
+                    address, "lazy (layer by layer)" if self._lazy else "not lazy (before the forward pass)",
+                    "auto (shared memory when the service can reach it)" if transport == "auto" else transport)
 
     # ---------------------------------------------------------------- scheduler role
 
@@ -215,31 +208,24 @@ class TacoOffloadConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = self._kv_cache_config.num_blocks
-        self._layers = list(kv_caches.values())
+        layers = list(kv_caches.values())
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
-        dims = [d for d, size in enumerate(self._layers[0].shape) if size == num_blocks]
-        if not dims or any(t.shape != self._layers[0].shape for t in self._layers):
+        dims = [d for d, size in enumerate(layers[0].shape) if size == num_blocks]
+        if not dims or any(t.shape != layers[0].shape or t.dtype != layers[0].dtype for t in layers):
             raise ValueError(f"prefix-KV offload: cannot find the block dimension of KV caches shaped "
-                             f"{tuple(self._layers[0].shape)} with {num_blocks} blocks")
-        self._block_dim = dims[0]
+                             f"{tuple(layers[0].shape)} with {num_blocks} blocks")
+        self._layout = KVLayout(layers, dims[0])
         logger.info("prefix-KV offload: %d layers of KV shaped %s (blocks on dim %d), %d bytes per block",
-                    len(self._layers), tuple(self._layers[0].shape), self._block_dim, self._block_bytes())
-
-    def _segment_bytes(self) -> int:
-        layer = self._layers[0]
-        return layer.select(self._block_dim, 0).numel() * layer.element_size()
-
-    def _block_bytes(self) -> int:
-        return self._segment_bytes() * len(self._layers)
+                    len(layers), tuple(layers[0].shape), dims[0], self._layout.block_bytes)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, OffloadMetadata)
-        if not meta.loads or not self._layers:
+        if not meta.loads or self._layout is None:
             return
         keys = [rank_key(k, self._tp_rank) for spec in meta.loads for k in spec.keys]
         block_ids = [b for spec in meta.loads for b in spec.block_ids]
-        self._load = _LayerwiseLoad(self, keys, block_ids)
+        self._load = LayerwiseLoad(self._layout, self._client, keys, block_ids)
         self._load.start()
         if not self._lazy:
             self._finish_load()
@@ -263,18 +249,25 @@ class TacoOffloadConnector(KVConnectorBase_V1):
         self._finish_load()
         meta = self._get_connector_metadata()
         assert isinstance(meta, OffloadMetadata)
-        if not meta.saves or not self._layers or self._sender is None:
+        layout = self._layout
+        if not meta.saves or layout is None or self._sender is None:
             return
         keys = [rank_key(k, self._tp_rank) for spec in meta.saves for k in spec.keys]
         parents = [rank_key(k, self._tp_rank) if k else b"" for spec in meta.saves for k in spec.parent_keys]
-        ids = torch.tensor([b for spec in meta.saves for b in spec.block_ids], dtype=torch.long)
-        # One gather per layer, blocks first: row b of layer l is segment l of block b.
-        per_layer = [layer.index_select(self._block_dim, ids).movedim(self._block_dim, 0).contiguous()
-                     for layer in self._layers]
-        stacked = torch.stack(per_layer, dim=1).reshape(len(keys), -1).view(torch.uint8)
-        payloads = [BlockPayload(key, parent, stacked[i].numpy().tobytes(), len(self._layers))
+        block_ids = [b for spec in meta.saves for b in spec.block_ids]
+        block_bytes = layout.block_bytes
+        room = self._sender.reserve(block_bytes * len(keys))
+        if room is None:
+            return
+        buffer, ring, start = room
+        # The one copy on the critical path (the blocks may be reused after this step): straight from
+        # the KV cache into the bytes the service will read.
+        layout.gather(block_ids, buffer.view(len(keys), layout.num_layers, layout.segment_bytes))
+        view = byte_view(buffer)
+        payloads = [BlockPayload(key, parent, view[i * block_bytes:(i + 1) * block_bytes], layout.num_layers,
+                                 None if ring is None else start + i * block_bytes)
                     for i, (key, parent) in enumerate(zip(keys, parents, strict=True))]
-        self._sender.submit(payloads)
+        self._sender.submit(SaveBatch(payloads, len(buffer), ring, start))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._finish_load()
@@ -285,130 +278,6 @@ class TacoOffloadConnector(KVConnectorBase_V1):
         if self._sender is not None:
             self._sender.stop()
         self._client.close()
-
-    # Used by _LayerwiseLoad, on its thread.
-    def _write_segment(self, layer_index: int, block_ids: Sequence[int], buffers: Sequence[bytearray]) -> None:
-        layer = self._layers[layer_index]
-        seg = self._segment_bytes()
-        shape = layer.select(self._block_dim, 0).shape
-        for block_id, buffer in zip(block_ids, buffers, strict=True):
-            source = torch.frombuffer(buffer, dtype=torch.uint8, count=seg, offset=layer_index * seg)
-            layer.select(self._block_dim, block_id).copy_(source.view(layer.dtype).view(shape))
-
-
-class _LayerwiseLoad:
-    """One step's GetBlocks, written into the KV cache layer by layer as the bytes arrive."""
-
-    def __init__(self, connector: TacoOffloadConnector, keys: list[bytes], block_ids: list[int]):
-        self.connector = connector
-        self.keys = keys
-        self.block_ids = block_ids
-        self.num_layers = len(connector._layers)
-        self.events = [threading.Event() for _ in range(self.num_layers)]
-        self.ok = False
-        size = connector._block_bytes() * len(keys)
-        self.timeout = LOAD_TIMEOUT_SECONDS + LOAD_SECONDS_PER_GIB * size / 1024**3
-        self.thread = threading.Thread(target=self._run, name="kv-offload-load", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def wait_layer(self, index: int) -> None:
-        self.events[index].wait(self.timeout)
-
-    def join(self) -> bool:
-        self.thread.join(self.timeout)
-        return self.ok and not self.thread.is_alive()
-
-    def _run(self) -> None:
-        client = self.connector._client
-        try:
-            self.ok = self._receive()
-            client.backoff.succeeded()
-        except grpc.RpcError as error:
-            if error.code() == grpc.StatusCode.NOT_FOUND:  # evicted since the Lookup: the service is fine
-                logger.warning("prefix-KV offload: %s; recomputing %d blocks", error.details(), len(self.keys))
-            else:  # a load in flight always gets its line: it is a request's blocks being recomputed
-                logger.warning("prefix-KV offload: loading %d blocks failed (%s); recomputing them",
-                               len(self.keys), error.code().name)
-                client.backoff.failed("GetBlocks", error, logged=True)
-        except Exception as error:  # any other fault: the blocks are recomputed, never a failed request
-            logger.warning("prefix-KV offload: loading %d blocks failed (%s); recomputing them",
-                           len(self.keys), error)
-        finally:
-            for event in self.events:
-                event.set()
-
-    def _receive(self) -> bool:
-        connector = self.connector
-        seg = connector._segment_bytes()
-        block_bytes = seg * self.num_layers
-        stream = connector._client.get_stream(self.keys, self.timeout)
-        first = next(stream)
-        if len(first.headers) != len(self.keys) or any(
-                h.size != block_bytes or h.num_segments != self.num_layers for h in first.headers):
-            raise ValueError("a block's size or segment count does not match this engine's KV layout")
-        buffers = [bytearray(block_bytes) for _ in self.keys]
-        per_segment = seg * len(self.keys)
-        received = 0
-        done_layers = 0
-        for chunk in stream:
-            end = chunk.offset + len(chunk.data)
-            if chunk.block_index >= len(buffers) or end > block_bytes:
-                raise ValueError("a chunk lies outside its block")
-            buffers[chunk.block_index][chunk.offset:end] = chunk.data
-            received += len(chunk.data)
-            while done_layers < self.num_layers and received >= (done_layers + 1) * per_segment:
-                connector._write_segment(done_layers, self.block_ids, buffers)
-                self.events[done_layers].set()
-                done_layers += 1
-        if received != per_segment * self.num_layers:
-            raise ValueError(f"the stream ended after {received} of {per_segment * self.num_layers} bytes")
-        for header, buffer in zip(first.headers, buffers, strict=True):
-            if zlib.crc32(buffer) != header.checksum:
-                raise ValueError(f"block {header.key.hex()[:16]}... failed its checksum")
-        return True
-
-
-class _Sender:
-    """Sends saved blocks to the service on its own thread, off the engine's critical path."""
-
-    def __init__(self, client: KVBlockClient):
-        self.client = client
-        self.queue: queue.Queue[list[BlockPayload] | None] = queue.Queue()
-        self.pending_bytes = 0
-        self.lock = threading.Lock()
-        self.dropped_logged = False
-        self.thread = threading.Thread(target=self._run, name="kv-offload-save", daemon=True)
-        self.thread.start()
-
-    def submit(self, payloads: list[BlockPayload]) -> None:
-        size = sum(len(p.data) for p in payloads)
-        with self.lock:
-            if self.pending_bytes + size > MAX_PENDING_SAVE_BYTES or not self.client.backoff.ready():
-                if not self.dropped_logged:
-                    logger.warning("prefix-KV offload: the cache service is behind or down; dropping saves "
-                                   "(those blocks will be recomputed when needed)")
-                    self.dropped_logged = True
-                return
-            self.pending_bytes += size
-        self.queue.put(payloads)
-
-    def _run(self) -> None:
-        while True:
-            payloads = self.queue.get()
-            if payloads is None:
-                return
-            try:
-                if self.client.put(payloads, SAVE_TIMEOUT_SECONDS) is not None:
-                    self.dropped_logged = False
-            finally:
-                with self.lock:
-                    self.pending_bytes -= sum(len(p.data) for p in payloads)
-
-    def stop(self) -> None:
-        self.queue.put(None)
-        self.thread.join(5.0)
 
 
 def _tensor_parallel_rank() -> int:

@@ -1,0 +1,318 @@
+"""Moving block bytes between vLLM's paged KV cache and the cache service, off the engine's thread.
+
+A block's bytes are its layers' slices one after another (segment = layer). Both directions stage
+them in one flat uint8 buffer: a load in segment-major order ([layers, blocks, segment], as
+GetBlocks delivers them, so each finished layer is copied into the KV cache at once), a save in
+block-major order ([blocks, layers, segment], so each block is one contiguous range for PutBlocks).
+The buffer is a shared-memory window when the service shares /dev/shm with us, else private memory
+whose bytes then travel in gRPC messages.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import torch
+
+from protos import kv_cache_pb2
+
+from .client import BlockPayload, ChunkStream, KVBlockClient, window_gone
+from .window import SaveRing, ShmWindow
+
+logger = logging.getLogger("taco_llm.kv_offload")
+
+LOAD_TIMEOUT_SECONDS = 30.0   # base deadline of one step's GetBlocks
+LOAD_SECONDS_PER_GIB = 10.0   # plus this much per GiB loaded (far below what the service delivers)
+SAVE_TIMEOUT_SECONDS = 30.0
+# Saves whose bytes wait in private memory (gRPC transport) are capped; beyond it new saves are
+# dropped (they are only a future cache miss), so a slow service cannot grow the worker's memory.
+MAX_PENDING_SAVE_BYTES = 512 * 1024**2
+# The shared-memory save ring: the same cap, in a window. A save larger than the whole ring goes
+# through private memory as gRPC bytes.
+SAVE_RING_BYTES = 256 * 1024**2
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a flat uint8 CPU tensor, shared (no copy)."""
+    array: Any = tensor.numpy()
+    return memoryview(array)
+
+
+@dataclass
+class KVLayout:
+    """The paged KV cache of one worker: one tensor per layer, blocks along `block_dim`."""
+
+    layers: list[torch.Tensor]
+    block_dim: int
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def segment_shape(self) -> torch.Size:
+        return self.layers[0].select(self.block_dim, 0).shape
+
+    @property
+    def segment_bytes(self) -> int:
+        return self.layers[0].select(self.block_dim, 0).numel() * self.layers[0].element_size()
+
+    @property
+    def block_bytes(self) -> int:
+        return self.segment_bytes * self.num_layers
+
+    def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(list(block_ids), dtype=torch.long, device=self.layers[0].device)
+
+    def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
+        """Copies the blocks into `out` ([blocks, layers, segment bytes], uint8): one copy per layer,
+        straight from the KV cache into place."""
+        ids = self._ids(block_ids)
+        for index, layer in enumerate(self.layers):
+            target = out[:, index, :].view(layer.dtype).view(len(ids), *self.segment_shape)
+            target = target.movedim(0, self.block_dim)
+            if layer.device == out.device:
+                torch.index_select(layer, self.block_dim, ids, out=target)
+            else:  # a device KV cache: one device-to-host copy of the gathered blocks
+                target.copy_(layer.index_select(self.block_dim, ids))
+
+    def scatter_layer(self, index: int, block_ids: torch.Tensor, source: torch.Tensor) -> None:
+        """Writes layer `index` of the blocks from `source` ([blocks, segment bytes], uint8)."""
+        layer = self.layers[index]
+        values = source.view(layer.dtype).view(len(block_ids), *self.segment_shape).movedim(0, self.block_dim)
+        layer.index_copy_(self.block_dim, block_ids, values.to(layer.device))
+
+
+class LayerwiseLoad:
+    """One step's GetBlocks, written into the KV cache layer by layer as the bytes arrive."""
+
+    def __init__(self, layout: KVLayout, client: KVBlockClient, keys: list[bytes], block_ids: list[int]):
+        self.layout = layout
+        self.client = client
+        self.keys = keys
+        self.block_ids = block_ids
+        self.num_layers = layout.num_layers
+        self.events = [threading.Event() for _ in range(self.num_layers)]
+        self.layers_done = 0
+        self.ok = False
+        self.cancelled = False
+        self.call: ChunkStream | None = None
+        self.size = layout.block_bytes * len(keys)
+        self.timeout = LOAD_TIMEOUT_SECONDS + LOAD_SECONDS_PER_GIB * self.size / 1024**3
+        self.thread = threading.Thread(target=self._run, name="kv-offload-load", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def wait_layer(self, index: int) -> None:
+        self.events[index].wait(self.timeout)
+
+    def join(self) -> bool:
+        self.thread.join(self.timeout)
+        if self.thread.is_alive():
+            # Past its deadline: it must not write into blocks vLLM may hand to other requests now.
+            self.cancelled = True
+            if self.call is not None:
+                self.call.cancel()
+            return False
+        return self.ok
+
+    def _run(self) -> None:
+        try:
+            self.ok = self._receive()
+            self.client.backoff.succeeded()
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.NOT_FOUND:  # evicted since the Lookup: the service is fine
+                logger.warning("prefix-KV offload: %s; recomputing %d blocks", error.details(), len(self.keys))
+            elif error.code() != grpc.StatusCode.CANCELLED or not self.cancelled:
+                # A load in flight always gets its line: it is a request's blocks being recomputed.
+                logger.warning("prefix-KV offload: loading %d blocks failed (%s); recomputing them",
+                               len(self.keys), error.code().name)
+                self.client.backoff.failed("GetBlocks", error, logged=True)
+        except Exception as error:  # any other fault: the blocks are recomputed, never a failed request
+            logger.warning("prefix-KV offload: loading %d blocks failed (%s); recomputing them",
+                           len(self.keys), error)
+        finally:
+            for event in self.events:
+                event.set()
+
+    def _receive(self) -> bool:
+        for attempt in range(2):
+            with self.client.load_window(self.size) as window:
+                if window is None:
+                    break
+                try:
+                    return self._receive_into(window.tensor[:self.size], window)
+                except grpc.RpcError as error:
+                    if attempt or self.layers_done or not window_gone(error):
+                        raise
+                    window.stale = True  # the service restarted: the next try attaches a fresh window
+        return self._receive_into(torch.empty(self.size, dtype=torch.uint8), None)
+
+    def _receive_into(self, staged: torch.Tensor, window: ShmWindow | None) -> bool:
+        """Streams the blocks into `staged` (segment-major), copying each layer out once complete."""
+        ref = None if window is None else kv_cache_pb2.WindowRef(window_id=window.window_id, offset=0,
+                                                                 length=self.size)
+        call = self.call = self.client.get_stream(self.keys, self.timeout, ref)
+        if self.cancelled:
+            call.cancel()
+        first = next(call)
+        block_bytes = self.layout.block_bytes
+        if len(first.headers) != len(self.keys) or any(
+                h.size != block_bytes or h.num_segments != self.num_layers for h in first.headers):
+            raise ValueError("a block's size or segment count does not match this engine's KV layout")
+        view = byte_view(staged)
+        ids = self.layout._ids(self.block_ids)
+        per_segment = self.layout.segment_bytes * len(self.keys)
+        received = 0
+        for message in call:
+            if window is not None:
+                if message.data or not self.layers_done <= message.segments_in_window <= self.num_layers:
+                    raise ValueError(f"a progress message says {message.segments_in_window} segments")
+                ready = message.segments_in_window
+            else:
+                received += self._place(view, message)
+                ready = min(received // per_segment, self.num_layers)
+            while self.layers_done < ready:
+                if self.cancelled:
+                    return False
+                start = self.layers_done * per_segment
+                self.layout.scatter_layer(self.layers_done, ids, staged[start:start + per_segment])
+                self.events[self.layers_done].set()
+                self.layers_done += 1
+        if self.layers_done != self.num_layers:
+            raise ValueError(f"the stream ended after {self.layers_done} of {self.num_layers} layers")
+        return self._checksums_match(view, [h.checksum for h in first.headers])
+
+    def _place(self, view: memoryview, chunk: kv_cache_pb2.GetBlocksChunk) -> int:
+        """Copies one gRPC chunk (bytes of one block at an offset) to its segment-major place."""
+        segment_bytes, count = self.layout.segment_bytes, len(self.keys)
+        data = memoryview(chunk.data)
+        if chunk.block_index >= count or chunk.offset + len(data) > self.layout.block_bytes:
+            raise ValueError("a chunk lies outside its block")
+        offset = chunk.offset
+        while data:
+            segment, within = divmod(offset, segment_bytes)
+            take = min(len(data), segment_bytes - within)
+            at = (segment * count + chunk.block_index) * segment_bytes + within
+            view[at:at + take] = data[:take]
+            data, offset = data[take:], offset + take
+        return len(chunk.data)
+
+    def _checksums_match(self, view: memoryview, checksums: Sequence[int]) -> bool:
+        segment_bytes, count = self.layout.segment_bytes, len(self.keys)
+        for index, expected in enumerate(checksums):
+            crc = 0
+            for segment in range(self.num_layers):
+                at = (segment * count + index) * segment_bytes
+                crc = zlib.crc32(view[at:at + segment_bytes], crc)
+            if crc != expected:
+                raise ValueError(f"block {self.keys[index].hex()[:16]}... failed its checksum")
+        return True
+
+
+@dataclass
+class SaveBatch:
+    """One step's saved blocks; their bytes lie in `ring` from `start` on, or in private memory."""
+
+    payloads: list[BlockPayload]
+    size: int
+    ring: SaveRing | None = None
+    start: int = 0
+
+
+class Sender:
+    """Sends saved blocks to the service on its own thread, off the engine's critical path."""
+
+    _ATTACH = "attach"  # a queue item: attach a save ring
+
+    def __init__(self, client: KVBlockClient, ring_bytes: int = SAVE_RING_BYTES):
+        self.client = client
+        self.ring_bytes = ring_bytes
+        self.ring: SaveRing | None = None
+        self._attach_queued = False
+        self.queue: queue.Queue[SaveBatch | str | None] = queue.Queue()
+        self.pending_bytes = 0
+        self.lock = threading.Lock()
+        self.dropped_logged = False
+        self.thread = threading.Thread(target=self._run, name="kv-offload-save", daemon=True)
+        self.thread.start()
+        if client.shared_memory:  # attach the ring now, so that the first saves already use it
+            self._attach_queued = True
+            self.queue.put(self._ATTACH)
+
+    def reserve(self, size: int) -> tuple[torch.Tensor, SaveRing | None, int] | None:
+        """Room for `size` bytes of saves: (flat uint8 buffer, its ring or None, start in the ring),
+        or None when the service is behind or down (the save is dropped; a future miss, never a stall)."""
+        if not self.client.backoff.ready():
+            self._dropped()
+            return None
+        ring = self.ring
+        if ring is not None and ring.window.stale:
+            self.ring = ring = None
+        if ring is None and self.client.shared_memory and not self._attach_queued:
+            self._attach_queued = True
+            self.queue.put(self._ATTACH)
+        if ring is not None and size <= ring.size:
+            start = ring.allocate(size)
+            if start is None:
+                self._dropped()
+                return None
+            return ring.window.tensor[start:start + size], ring, start
+        with self.lock:
+            if self.pending_bytes + size > MAX_PENDING_SAVE_BYTES:
+                self._dropped()
+                return None
+            self.pending_bytes += size
+        return torch.empty(size, dtype=torch.uint8), None, 0
+
+    def _dropped(self) -> None:
+        if not self.dropped_logged:
+            logger.warning("prefix-KV offload: the cache service is behind or down; dropping saves "
+                           "(those blocks will be recomputed when needed)")
+            self.dropped_logged = True
+
+    def submit(self, batch: SaveBatch) -> None:
+        self.queue.put(batch)
+
+    def _run(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            if isinstance(item, str):
+                self._attach_ring()
+                continue
+            try:
+                window = item.ring.window if item.ring is not None else None
+                if self.client.put(item.payloads, SAVE_TIMEOUT_SECONDS, window) is not None:
+                    self.dropped_logged = False
+            except Exception as error:  # never let a fault end the thread: later saves still go
+                logger.warning("prefix-KV offload: saving %d blocks failed (%s)", len(item.payloads), error)
+            finally:
+                if item.ring is not None:
+                    item.ring.free(item.start)
+                else:
+                    with self.lock:
+                        self.pending_bytes -= item.size
+
+    def _attach_ring(self) -> None:
+        self._attach_queued = False
+        if self.ring is None and self.client.shared_memory:
+            window = self.client.attach(self.ring_bytes)
+            if window is not None:
+                self.ring = SaveRing(window)
+
+    def stop(self) -> None:
+        self.queue.put(None)
+        self.thread.join(5.0)
+        ring, self.ring = self.ring, None
+        if ring is not None:
+            self.client.detach(ring.window)
