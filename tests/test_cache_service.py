@@ -1,8 +1,10 @@
-"""The cache service's block store (unit tests, no engine) and its gRPC service (a real process)."""
+"""The cache service's block store (unit tests, no engine), its gRPC service (a real process), and
+the worker's transport to it: shared-memory windows and gRPC bytes, on CPU tensors (no engine)."""
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import subprocess
 import sys
@@ -12,10 +14,14 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cache_service.block_store import BLOCK_OVERHEAD_BYTES, BlockStore, PutOutcome
+from engine_worker.kv_offload.client import BlockPayload, KVBlockClient
 from engine_worker.kv_offload.hashing import chain_keys, engine_salt, request_salt
+from engine_worker.kv_offload.transfer import KVLayout, LayerwiseLoad, byte_view
+from engine_worker.kv_offload.window import SaveRing, ShmWindow
 from protos import kv_cache_pb2, kv_cache_pb2_grpc
 
 from .support import ROOT, Process, free_port, start, wait_until
@@ -267,3 +273,291 @@ def test_sigterm_stops_it_cleanly(tmp_path: Path) -> None:
                                            "--cpu-prefill-memory-utilization", "0.01"], tmp_path)
     wait_until(process, lambda: "serving" in process.log.read_text(), timeout=60)
     assert process.stop(timeout=20) == 0
+
+
+# ------------------------------------------------------------------ shared-memory windows
+
+
+def _attach(stub: kv_cache_pb2_grpc.KVBlockStoreStub, window: ShmWindow) -> int:
+    reply = stub.AttachWindow(kv_cache_pb2.AttachWindowRequest(name=window.name, size=window.size,
+                                                               nonce=window.nonce))
+    window.window_id = reply.window_id
+    window.unlink()
+    return int(reply.window_id)
+
+
+def _window_chunks(keys: list[bytes], blocks: list[bytes], window: ShmWindow, segments: int,
+                   offset: int = 0) -> Iterator[kv_cache_pb2.PutBlocksChunk]:
+    """Copies the blocks into the window back to back and names them there."""
+    for i, (key, data) in enumerate(zip(keys, blocks, strict=True)):
+        window.tensor[offset:offset + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        header = kv_cache_pb2.BlockHeader(key=key, parent_key=keys[i - 1] if i else b"", size=len(data),
+                                          num_segments=segments, checksum=zlib.crc32(data))
+        ref = kv_cache_pb2.WindowRef(window_id=window.window_id, offset=offset, length=len(data))
+        yield kv_cache_pb2.PutBlocksChunk(header=header, window=ref)
+        offset += len(data)
+
+
+def _segment_major_to_blocks(staged: bytes, sizes: list[int], segments: int) -> list[bytes]:
+    blocks = [bytearray() for _ in sizes]
+    position = 0
+    for _ in range(segments):
+        for i, size in enumerate(sizes):
+            blocks[i] += staged[position:position + size // segments]
+            position += size // segments
+    return [bytes(b) for b in blocks]
+
+
+def test_put_and_get_through_a_window_match_the_grpc_path_byte_for_byte(
+        stub: kv_cache_pb2_grpc.KVBlockStoreStub) -> None:
+    window = ShmWindow(16 * MiB)
+    assert _attach(stub, window) > 0
+    assert not os.path.exists(window.path), "the file is unlinked once attached"
+    segments = 6
+    through_shm = [_key(f"shm{i}") for i in range(3)]
+    through_grpc = [_key(f"grpc{i}") for i in range(3)]
+    blocks = [os.urandom(segments * 100_000) for _ in range(3)]
+    before = stub.Stats(kv_cache_pb2.StatsRequest())
+    assert stub.PutBlocks(_window_chunks(through_shm, blocks, window, segments)).num_stored == 3
+    assert stub.PutBlocks(c for i, k in enumerate(through_grpc)
+                          for c in _chunks(k, blocks[i], through_grpc[i - 1] if i else b"", segments)).num_stored == 3
+    size = sum(len(b) for b in blocks)
+    for keys in (through_shm, through_grpc):
+        ref = kv_cache_pb2.WindowRef(window_id=window.window_id, offset=4096, length=size)
+        window.tensor.zero_()
+        messages = list(stub.GetBlocks(kv_cache_pb2.GetBlocksRequest(keys=keys, segment_major=True, window=ref)))
+        assert [h.key for h in messages[0].headers] == keys
+        assert [m.segments_in_window for m in messages[1:]] == list(range(1, segments + 1))
+        assert all(not m.data for m in messages)
+        staged = window.tensor[4096:4096 + size].numpy().tobytes()
+        assert _segment_major_to_blocks(staged, [len(b) for b in blocks], segments) == blocks
+        assert [h.checksum for h in messages[0].headers] == [zlib.crc32(b) for b in blocks]
+        rebuilt = [bytearray(len(b)) for b in blocks]  # the gRPC path, for the same keys
+        for m in list(stub.GetBlocks(kv_cache_pb2.GetBlocksRequest(keys=keys, segment_major=True)))[1:]:
+            rebuilt[m.block_index][m.offset:m.offset + len(m.data)] = m.data
+        assert [bytes(b) for b in rebuilt] == blocks
+    after = stub.Stats(kv_cache_pb2.StatsRequest())
+    assert after.bytes_stored_shm - before.bytes_stored_shm == size
+    assert after.bytes_served_shm - before.bytes_served_shm == 2 * size
+    assert after.windows_attached >= 1
+    assert stub.DetachWindow(kv_cache_pb2.DetachWindowRequest(window_id=window.window_id)).detached
+    assert not stub.DetachWindow(kv_cache_pb2.DetachWindowRequest(window_id=window.window_id)).detached
+    window.close()
+
+
+def _window_file(name: str, size: int, nonce: bytes) -> Path:
+    path = Path("/dev/shm") / name
+    path.write_bytes(nonce + bytes(size - len(nonce)))
+    path.chmod(0o600)
+    return path
+
+
+def _attach_error(stub: kv_cache_pb2_grpc.KVBlockStoreStub, name: str, size: int, nonce: bytes) -> grpc.RpcError:
+    return _error(lambda: stub.AttachWindow(kv_cache_pb2.AttachWindowRequest(name=name, size=size, nonce=nonce)))
+
+
+def test_bad_windows_are_refused_precisely_and_the_service_stays_up(
+        stub: kv_cache_pb2_grpc.KVBlockStoreStub, tmp_path: Path) -> None:
+    nonce = os.urandom(16)
+    name = f"taco_llm-kv-{os.getpid()}-{os.urandom(8).hex()}"
+    INVALID, PRECONDITION = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
+    outside = tmp_path / name
+    outside.write_bytes(nonce + bytes(4080))
+    cases: list[tuple[str, int, bytes, grpc.StatusCode, str]] = [
+        ("../../etc/passwd", 4096, nonce, INVALID, "name:"),
+        (f"../{name}", 4096, nonce, INVALID, "name:"),
+        (f"taco_llm-kv-1-{'z' * 16}", 4096, nonce, INVALID, "name:"),
+        ("psm_12345678", 4096, nonce, INVALID, "name:"),
+        (name, 4096, nonce, PRECONDITION, "not reachable"),  # no such file here: another host
+        (name, 4096, nonce[:8], INVALID, "nonce:"),
+        (name, 0, nonce, INVALID, "size:"),
+        (name, 8 * 1024**3, nonce, INVALID, "size:"),
+    ]
+    for case_name, size, case_nonce, code, words in cases:
+        error = _attach_error(stub, case_name, size, case_nonce)
+        assert error.code() == code and words in (error.details() or ""), (case_name, error.details())
+    created = [_window_file(name, 4096, nonce)]
+    try:
+        error = _attach_error(stub, name, 8192, nonce)
+        assert error.code() == INVALID and "size: the window" in (error.details() or ""), error.details()
+        error = _attach_error(stub, name, 4096, os.urandom(16))
+        assert error.code() == PRECONDITION and "nonce:" in (error.details() or ""), error.details()
+        link = Path("/dev/shm") / f"taco_llm-kv-{os.getpid()}-{os.urandom(8).hex()}"
+        link.symlink_to(outside)
+        created.append(link)
+        error = _attach_error(stub, link.name, 4096, nonce)
+        assert error.code() == INVALID and "symbolic link" in (error.details() or ""), error.details()
+        folder = Path("/dev/shm") / f"taco_llm-kv-{os.getpid()}-{os.urandom(8).hex()}"
+        folder.mkdir()
+        try:
+            error = _attach_error(stub, folder.name, 4096, nonce)
+            assert error.code() == INVALID and "not a regular file" in (error.details() or ""), error.details()
+        finally:
+            folder.rmdir()
+        assert stub.AttachWindow(kv_cache_pb2.AttachWindowRequest(name=name, size=4096, nonce=nonce)).window_id
+    finally:
+        for path in created:
+            path.unlink()
+    assert stub.Lookup(kv_cache_pb2.LookupRequest(keys=[_key("still up")])).num_blocks == 0
+
+
+def test_bad_window_refs_on_puts_and_gets_get_precise_errors(stub: kv_cache_pb2_grpc.KVBlockStoreStub) -> None:
+    window = ShmWindow(1 * MiB)
+    _attach(stub, window)
+    key, data = _key("ref-target"), os.urandom(4000)
+    assert stub.PutBlocks(_chunks(key, data, segments=4)).num_stored == 1
+    wid = window.window_id
+
+    def get(ref: kv_cache_pb2.WindowRef) -> grpc.RpcError:
+        return _error(lambda: list(stub.GetBlocks(kv_cache_pb2.GetBlocksRequest(keys=[key], segment_major=True,
+                                                                                window=ref))))
+
+    def put(chunk: kv_cache_pb2.PutBlocksChunk, *more: kv_cache_pb2.PutBlocksChunk) -> grpc.RpcError:
+        return _error(lambda: stub.PutBlocks(iter([chunk, *more])))
+
+    header = kv_cache_pb2.BlockHeader(key=_key("via-window"), size=4000, num_segments=4, checksum=zlib.crc32(data))
+    window.tensor[:4000] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    ref = kv_cache_pb2.WindowRef
+    cases: list[tuple[grpc.RpcError, grpc.StatusCode, str]] = [
+        (get(ref(window_id=wid + 1, offset=0, length=4000)), grpc.StatusCode.FAILED_PRECONDITION,
+         f"window.window_id {wid + 1} is not attached"),
+        (get(ref(window_id=wid, offset=MiB + 1, length=1)), grpc.StatusCode.INVALID_ARGUMENT, "window.offset"),
+        (get(ref(window_id=wid, offset=MiB - 100, length=4000)), grpc.StatusCode.INVALID_ARGUMENT,
+         "window.length 4000 at offset"),
+        (get(ref(window_id=wid, offset=0, length=100)), grpc.StatusCode.INVALID_ARGUMENT,
+         "window.length 100 cannot hold"),
+        (put(kv_cache_pb2.PutBlocksChunk(header=header, window=ref(window_id=wid + 1, offset=0, length=4000))),
+         grpc.StatusCode.FAILED_PRECONDITION, "window.window_id"),
+        (put(kv_cache_pb2.PutBlocksChunk(header=header, window=ref(window_id=wid, offset=0, length=3999))),
+         grpc.StatusCode.INVALID_ARGUMENT, "window.length 3999 is not header.size"),
+        (put(kv_cache_pb2.PutBlocksChunk(header=header, window=ref(window_id=wid, offset=MiB - 10, length=4000))),
+         grpc.StatusCode.INVALID_ARGUMENT, "window.length 4000 at offset"),
+        (put(kv_cache_pb2.PutBlocksChunk(header=header, data=b"x", window=ref(window_id=wid, offset=0,
+                                                                               length=4000))),
+         grpc.StatusCode.INVALID_ARGUMENT, "data:"),
+        (put(kv_cache_pb2.PutBlocksChunk(header=header, data=data[:10]),
+             kv_cache_pb2.PutBlocksChunk(window=ref(window_id=wid, offset=0, length=4000))),
+         grpc.StatusCode.INVALID_ARGUMENT, "window: only a block's header chunk"),
+        (put(kv_cache_pb2.PutBlocksChunk(
+            header=kv_cache_pb2.BlockHeader(key=_key("bad-crc"), size=4000, num_segments=4, checksum=1),
+            window=ref(window_id=wid, offset=0, length=4000))), grpc.StatusCode.DATA_LOSS, "checksum mismatch"),
+    ]
+    for error, code, words in cases:
+        assert error.code() == code and words in (error.details() or ""), (code, words, error.details())
+    assert stub.PutBlocks(iter([kv_cache_pb2.PutBlocksChunk(
+        header=header, window=ref(window_id=wid, offset=0, length=4000))])).num_stored == 1
+    window.close()
+
+
+def test_a_client_that_shrinks_its_window_cannot_hurt_the_service(stub: kv_cache_pb2_grpc.KVBlockStoreStub) -> None:
+    window = ShmWindow(1 * MiB)
+    reply = stub.AttachWindow(kv_cache_pb2.AttachWindowRequest(name=window.name, size=window.size,
+                                                               nonce=window.nonce))
+    os.truncate(window.path, 0)  # before unlinking: a mapping would now SIGBUS on its first touch
+    window.unlink()
+    data = os.urandom(4000)
+    header = kv_cache_pb2.BlockHeader(key=_key("shrunk"), size=4000, num_segments=1, checksum=zlib.crc32(data))
+    ref = kv_cache_pb2.WindowRef(window_id=reply.window_id, offset=0, length=4000)
+    error = _error(lambda: stub.PutBlocks(iter([kv_cache_pb2.PutBlocksChunk(header=header, window=ref)])))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "shrank" in (error.details() or "")
+    assert stub.PutBlocks(_chunks(_key("shrunk"), data)).num_stored == 1
+    messages = list(stub.GetBlocks(kv_cache_pb2.GetBlocksRequest(keys=[_key("shrunk")], window=ref)))
+    assert messages[-1].segments_in_window == 1  # the write grew the file again: harmless to the service
+    assert stub.Stats(kv_cache_pb2.StatsRequest()).num_blocks > 0
+    window.close()
+
+
+def test_save_ring_hands_out_fifo_ranges_and_wraps() -> None:
+    window = ShmWindow(1000)
+    ring = SaveRing(window)
+    a, b = ring.allocate(400), ring.allocate(400)
+    assert (a, b, ring.allocate(400)) == (0, 400, None), "full"
+    ring.free(a)
+    assert ring.allocate(300) == 0, "wraps to the freed head"
+    assert ring.allocate(100) == 300 and ring.allocate(1) is None
+    ring.free(b)
+    assert ring.allocate(500) == 400 and ring.in_use() == 900
+    assert ring.allocate(0) is None and ring.allocate(1001) is None
+    window.close()
+
+
+def test_the_client_reattaches_after_a_service_restart_and_falls_back_to_grpc_bytes(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    argv = ["cache-service", "--grpc-port", str(port), "--memory", "64M"]
+    layers = [torch.randn(2, 12, 2, 16, 8) for _ in range(3)]
+    layout = KVLayout(layers, block_dim=1)
+    keys = [_key(f"restart{i}") for i in range(4)]
+    sources, targets = [1, 3, 5, 7], [8, 9, 10, 11]
+
+    def save(client: KVBlockClient, window: ShmWindow | None) -> kv_cache_pb2.PutBlocksResponse | None:
+        buffer = window.tensor[:layout.block_bytes * 4] if window else torch.empty(layout.block_bytes * 4,
+                                                                                    dtype=torch.uint8)
+        layout.gather(sources, buffer.view(4, layout.num_layers, layout.segment_bytes))
+        view = byte_view(buffer)
+        size = layout.block_bytes
+        return client.put([BlockPayload(k, b"", view[i * size:(i + 1) * size], layout.num_layers,
+                                        i * size if window else None) for i, k in enumerate(keys)], 10, window)
+
+    def load(client: KVBlockClient) -> None:
+        for layer in layers:
+            layer[:, targets] = 0
+        loading = LayerwiseLoad(layout, client, keys, targets)
+        loading.start()
+        assert loading.join()
+        assert all(torch.equal(layer[:, sources], layer[:, targets]) for layer in layers)
+
+    first = _start_service("restart-1", argv, address, tmp_path)
+    client = KVBlockClient(address, 1.0)
+    try:
+        ring = client.attach(MiB)
+        assert ring is not None and ring.window_id
+        assert save(client, ring).num_stored == 4  # type: ignore[union-attr]
+        load(client)
+        stub = kv_cache_pb2_grpc.KVBlockStoreStub(grpc.insecure_channel(address))
+        assert stub.Stats(kv_cache_pb2.StatsRequest()).bytes_served_shm == 4 * layout.block_bytes
+        assert first.stop() == 0
+        second = _start_service("restart-2", argv, address, tmp_path)
+        wait_until(second, lambda: _reachable(stub))
+        ref = kv_cache_pb2.WindowRef(window_id=ring.window_id, offset=0, length=MiB)
+        error = _error(lambda: list(stub.GetBlocks(kv_cache_pb2.GetBlocksRequest(keys=keys[:1], window=ref))))
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert (error.details() or "").startswith("window.window_id")
+        # A put through the stale window goes again as bytes; a load attaches a fresh window.
+        assert save(client, ring).num_stored == 4  # type: ignore[union-attr]
+        assert ring.stale
+        load(client)
+        stats = stub.Stats(kv_cache_pb2.StatsRequest())
+        assert stats.bytes_served_shm == 4 * layout.block_bytes and stats.windows_attached == 1
+        # A service that cannot see our windows (another host): gRPC bytes from then on, one log line.
+        remote = KVBlockClient(address, 1.0)
+        remote.shm_dir = str(tmp_path)
+        with caplog.at_level(logging.WARNING, logger="taco_llm.kv_offload"):
+            load(remote)
+            load(remote)
+        assert not remote.shared_memory
+        lines = [r.getMessage() for r in caplog.records if "is not usable" in r.getMessage()]
+        assert len(lines) == 1 and "not reachable" in lines[0], lines
+        assert stub.Stats(kv_cache_pb2.StatsRequest()).bytes_served_shm == stats.bytes_served_shm
+        remote.close()
+        assert second.stop() == 0
+    finally:
+        client.close()
+        first.stop()
+    assert not list(tmp_path.glob("taco_llm-kv-*")) and not list(Path("/dev/shm").glob(f"taco_llm-kv-{os.getpid()}-*"))
+
+
+def _reachable(stub: kv_cache_pb2_grpc.KVBlockStoreStub) -> bool:
+    try:
+        stub.Stats(kv_cache_pb2.StatsRequest(), timeout=1)
+        return True
+    except grpc.RpcError:
+        return False
+
+
+def _start_service(name: str, argv: list[str], address: str, logs: Path) -> Process:
+    process = start(name, argv, logs)
+    stub = kv_cache_pb2_grpc.KVBlockStoreStub(grpc.insecure_channel(address))
+    wait_until(process, lambda: _reachable(stub), timeout=60)
+    return process

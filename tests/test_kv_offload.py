@@ -4,6 +4,10 @@ Engines started here: one `taco_llm serve --enable-prefix-cache-offload` (which 
 service), a second worker on the same service (twice: before and after a restart), and a bfloat16
 worker. The reference for greedy output is the suite's shared `stack` (offload off). All float32.
 
+On one host block bytes go through shared memory (the default transport, "auto"): the service's
+shm byte counters show it. The restarted second worker runs with `--apc-offload-transport grpc`, so
+the gRPC-bytes path is covered end to end too.
+
 The tests run in file order: they share the engines and build on what the cache service holds.
 """
 
@@ -58,6 +62,12 @@ def generate(stub: engine_pb2_grpc.EngineStub, prompt: list[int], max_tokens: in
 
 def stats(store: kv_cache_pb2_grpc.KVBlockStoreStub) -> kv_cache_pb2.StatsResponse:
     return store.Stats(kv_cache_pb2.StatsRequest(), timeout=10)
+
+
+def served(before: kv_cache_pb2.StatsResponse, after: kv_cache_pb2.StatsResponse) -> tuple[int, int, int]:
+    """Blocks served between two Stats, their bytes, and how many of those bytes went through shared memory."""
+    return (after.blocks_served - before.blocks_served, after.bytes_served - before.bytes_served,
+            after.bytes_served_shm - before.bytes_served_shm)
 
 
 class Offload:
@@ -138,17 +148,24 @@ def test_offload_on_equals_off_for_full_partial_and_no_hits(
     again, cached = generate(offload.engine, LONG)
     assert again == expected["long"], "a full offload hit changed the greedy output"
     assert cached == 7 * BLOCK
-    assert stats(offload.store).blocks_served - before.blocks_served == 7
+    blocks, size, shm = served(before, stats(offload.store))
+    assert blocks == 7 and size == shm > 0, "the load did not go through shared memory"
 
     offload.evict_local(2)
     before = stats(offload.store)
     partial, cached = generate(offload.engine, PARTIAL)
     assert partial == expected["partial"], "a partial offload hit changed the greedy output"
     assert cached == 4 * BLOCK
-    assert stats(offload.store).blocks_served - before.blocks_served == 4
+    after = stats(offload.store)
+    blocks, size, shm = served(before, after)
+    assert blocks == 4 and size == shm > 0
 
     unrelated, cached = generate(offload.engine, UNRELATED)
     assert unrelated == expected["unrelated"] and cached == 0
+    # Saves went through the shared-memory ring, not as gRPC bytes.
+    assert after.bytes_stored_shm == after.bytes_stored > 0 and after.windows_attached >= 2
+    log = offload.stack.process.log.read_text()
+    assert "block bytes go through shared memory" in log and "not usable" not in log
 
 
 def test_eviction_then_hit_shows_in_openai_usage_and_service_hits(offload: Offload) -> None:
@@ -186,14 +203,24 @@ def test_two_workers_share_one_cache_service_and_restart_keeps_hits(
         time.sleep(1.0)
     finally:
         assert worker.stop() == 0, worker.tail()
-    # The same worker again, now loading everything before the forward pass.
+    # The same worker again, now loading everything before the forward pass, and with block bytes in
+    # gRPC messages (the transport across hosts), so that path is covered end to end.
     worker, address = start_worker("offload-worker-b-restarted", offload.cache_address, log_dir,
-                                   [*SMALL_KV, "--apc-offload-not-lazy"])
+                                   [*SMALL_KV, "--apc-offload-not-lazy", "--apc-offload-transport", "grpc"])
     try:
         restarted = engine_pb2_grpc.EngineStub(grpc.insecure_channel(address))
+        before = stats(offload.store)
         out, cached = generate(restarted, own)
         assert out == own_expected and cached == 6 * BLOCK, "the first request after a restart missed"
-        assert "not lazy" in worker.log.read_text()
+        blocks, size, shm = served(before, stats(offload.store))
+        assert blocks == 6 and size > 0 and shm == 0, "--apc-offload-transport grpc still used shared memory"
+        fresh = tokens(7, 400)
+        assert generate(restarted, fresh)[0] == reference(fresh)
+        time.sleep(1.0)
+        after = stats(offload.store)
+        assert after.bytes_stored > before.bytes_stored and after.bytes_stored_shm == before.bytes_stored_shm
+        log = worker.log.read_text()
+        assert "not lazy" in log and "transport grpc" in log and "shared memory with" not in log
     finally:
         assert worker.stop() == 0, worker.tail()
 
@@ -215,13 +242,18 @@ def test_a_different_dtype_never_hits(offload: Offload, log_dir: Path) -> None:
 
 def test_killing_the_cache_service_mid_load_costs_no_request(
         offload: Offload, reference: Callable[[list[int]], list[int]]) -> None:
-    for attempt in range(4):
+    """The service is frozen, then killed, while it writes a load into the worker's shared-memory
+    window: the worker recomputes those blocks, with the same greedy output. A kill that came just
+    after the load had finished does not count, and the test tries again (serve restarts the service)."""
+    interrupted = False
+    for attempt in range(5):
         prompt = tokens(20 + attempt, 1200)  # 9 blocks, ~50 MiB of float32 KV to load
         expected = reference(prompt)
         assert generate(offload.engine, prompt)[0] == expected
         time.sleep(1.0)
         offload.evict_local(10 + attempt)
         pid = offload.cache_service_pid()
+        failures_before = offload.stack.process.log.read_text().count("loading 9 blocks failed")
         result: dict[str, tuple[list[int], int]] = {}
 
         def send(prompt: list[int] = prompt, into: dict[str, tuple[list[int], int]] = result) -> None:
@@ -234,25 +266,21 @@ def test_killing_the_cache_service_mid_load_costs_no_request(
             with contextlib.suppress(grpc.RpcError):
                 caught = stats(offload.store).reads_in_progress > 0
         if caught:
-            os.kill(pid, signal.SIGSTOP)  # frozen in the middle of streaming the blocks
+            os.kill(pid, signal.SIGSTOP)  # frozen in the middle of writing the blocks into the window
             time.sleep(0.5)
             os.kill(pid, signal.SIGKILL)
         request.join(300)
         out, _ = result["out"]
         assert out == expected, "the request's greedy output changed when its load failed"
         if caught:
-            break
-    assert caught, "never caught the cache service in the middle of a load"
-    # serve restarted its cache service; the worker reconnects and fills it again.
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if offload.cache_service_pid() != pid and stats(offload.store).bytes_budget > 0:
+            wait_for_new_cache_service(offload, pid)
+            log = offload.stack.process.log.read_text()
+            interrupted = log.count("loading 9 blocks failed") > failures_before
+            if interrupted:
                 break
-        except (grpc.RpcError, AssertionError):
-            pass
-        time.sleep(0.5)
-    assert offload.cache_service_pid() != pid
+    assert interrupted, "never caught the cache service in the middle of a load"
+    assert "Recovered from KV load failure" in offload.stack.process.log.read_text()
+    # serve restarted its cache service; the worker reconnects, attaches fresh windows, fills it again.
     time.sleep(2.5)  # the worker's backoff after the failure
     fresh = tokens(30, 400)
     assert generate(offload.engine, fresh)[0] == reference(fresh)
@@ -261,5 +289,26 @@ def test_killing_the_cache_service_mid_load_costs_no_request(
         generate(offload.engine, tokens(31, 400), max_tokens=1)
         time.sleep(1.0)
     assert stats(offload.store).blocks_stored > 0, "the worker did not reconnect to the restarted service"
+    probe = tokens(32, 400)  # 3 blocks, saved to the new service, then loaded from it
+    expected = reference(probe)
+    assert generate(offload.engine, probe)[0] == expected
+    time.sleep(1.0)
+    offload.evict_local(20)
+    before = stats(offload.store)
+    assert generate(offload.engine, probe)[0] == expected
+    blocks, size, shm = served(before, stats(offload.store))
+    assert blocks == 3 and size == shm, "after the restart the load did not go through a fresh window"
     log = offload.stack.process.log.read_text()
     assert "restarting it" in log and "Traceback" not in log
+
+
+def wait_for_new_cache_service(offload: Offload, old_pid: int) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if offload.cache_service_pid() != old_pid and stats(offload.store).bytes_budget > 0:
+                return
+        except (grpc.RpcError, AssertionError):
+            pass
+        time.sleep(0.5)
+    raise AssertionError("serve did not restart its cache service")
