@@ -8,6 +8,9 @@ import socket
 import subprocess
 import time
 import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
@@ -42,3 +45,34 @@ def stop(process: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+def launch(argv: list[str], log: Path, cwd: Path = ROOT) -> subprocess.Popen[bytes]:
+    """Starts a server in its own session (so that stop() reaches its children), output to `log`."""
+    with log.open("ab") as handle:
+        return subprocess.Popen(argv, cwd=cwd, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_grpc_healthy(address: str, processes: list[subprocess.Popen[bytes]], timeout: float = 120) -> None:
+    """Until the gRPC health service at `address` says SERVING; an exited process or the timeout is an error."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    channel = grpc.insecure_channel(address)
+    health = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            for process in processes:
+                if process.poll() is not None:
+                    raise RuntimeError(f"a server exited with {process.returncode}")
+            try:
+                reply = health.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+    finally:
+        channel.close()
+    raise RuntimeError(f"{address} was not serving within {timeout:.0f}s")
