@@ -60,8 +60,8 @@ class Window:
             data = os.pread(self.fd, length, offset)
         if len(data) != length:
             raise WindowError(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"window.window_id {self.window_id}: read {len(data)} of {length} bytes at "
-                              f"offset {offset}; the client shrank its window")
+                              f"window: read {len(data)} of {length} bytes at offset {offset} of window "
+                              f"{self.window_id}; the client shrank its window")
         return data
 
     def write(self, offset: int, data: memoryview) -> None:
@@ -71,7 +71,7 @@ class Window:
                 step = os.pwrite(self.fd, data[written:], offset + written)
             if step <= 0:
                 raise WindowError(grpc.StatusCode.FAILED_PRECONDITION,
-                                  f"window.window_id {self.window_id}: the write stopped at {written} bytes")
+                                  f"window: the write into window {self.window_id} stopped at {written} bytes")
             written += step
 
 
@@ -137,6 +137,8 @@ class WindowTable:
             if error.errno == errno.ELOOP:
                 raise WindowError(grpc.StatusCode.INVALID_ARGUMENT,
                                   f"name: {path} is a symbolic link, not a window") from None
+            if error.errno == errno.EISDIR:
+                raise WindowError(grpc.StatusCode.INVALID_ARGUMENT, f"name: {name} is not a regular file") from None
             raise WindowError(grpc.StatusCode.FAILED_PRECONDITION,
                               f"name: window {path} is not reachable from the cache service "
                               f"({os.strerror(error.errno or 0)}): not the same host or IPC namespace") from None
