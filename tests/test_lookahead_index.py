@@ -6,6 +6,7 @@ import random
 import tracemalloc
 from array import array
 
+from engine_worker.lookahead.acceptance import MIN_WORTHWHILE_CHANCE, PRIOR_WEIGHT, AcceptanceRate
 from engine_worker.lookahead.config import LookaheadCacheConfig
 from engine_worker.lookahead.index import Drafter, TokenIndex
 from engine_worker.lookahead.proposer import RequestState
@@ -108,15 +109,32 @@ def test_cache_size_bounds_the_tokens_held() -> None:
         assert drafter.shared_tokens() <= 1000 + 101
 
 
-def test_draft_budget_follows_acceptance() -> None:
-    state = RequestState(own=TokenIndex((2,), 16), num_prompt=0, cap=7)
-    state.drafted = 7
-    assert state.record_verdict(num_sampled=8, copy_length=7) == 7 and state.cap == 7
-    state.drafted = 7
-    assert state.record_verdict(num_sampled=3, copy_length=7) == 2 and state.cap == 3
-    state.drafted = 3
-    assert state.record_verdict(num_sampled=1, copy_length=7) == 0
-    assert state.cap == 1 and state.skip == 1
-    state.drafted = 1
-    state.record_verdict(num_sampled=1, copy_length=7)
-    assert state.skip == 3, "repeated misses back off for longer"
+def test_a_request_that_keeps_rejecting_drafts_stops_and_tries_again_later() -> None:
+    state = RequestState(own=TokenIndex((2,), 16), num_prompt=0, acceptance=AcceptanceRate())
+    prior = 0.5
+    rates = []
+    for _ in range(6):
+        state.drafted = 4
+        assert state.record_verdict(num_sampled=1) == 0
+        rates.append(state.acceptance.rate(prior, PRIOR_WEIGHT))
+    assert rates == sorted(rates, reverse=True)
+    assert rates[0] > MIN_WORTHWHILE_CHANCE > rates[-1], "six rejected drafts in a row still look worth drafting"
+    for _ in range(3):  # steps without drafts: the evidence fades back towards the prior
+        state.record_verdict(num_sampled=1)
+    assert state.acceptance.rate(prior, PRIOR_WEIGHT) > MIN_WORTHWHILE_CHANCE
+    state.drafted = 5
+    assert state.record_verdict(num_sampled=6) == 5
+    assert state.acceptance.rate(prior, PRIOR_WEIGHT) > 0.6, "one fully accepted draft outweighs the old misses"
+
+
+def test_draft_length_follows_the_chance_of_acceptance() -> None:
+    drafter = Drafter(LookaheadCacheConfig(copy_length=24), GiB)
+    own = own_index(drafter, [*range(100, 130), 1, 2, *range(100, 104)])
+    assert len(drafter.draft(tail(own), own, 24, chance=1.0, min_chance=0.06)) == 24
+    # 0.9^26 is 0.065: a reliable request drafts far; a doubtful one a few tokens; a bad one none.
+    assert len(drafter.draft(tail(own), own, 24, chance=0.9, min_chance=0.06)) == 24
+    assert len(drafter.draft(tail(own), own, 24, chance=0.5, min_chance=0.06)) == 4
+    assert drafter.draft(tail(own), own, 24, chance=0.05, min_chance=0.06) == []
+    # Where the past disagrees, a token's chance is its share of the vote.
+    drafter.add_shared([100, 101, 102, 103, 55, 56])
+    assert len(drafter.draft(tail(own), own, 24, chance=0.9, min_chance=0.3)) < 24

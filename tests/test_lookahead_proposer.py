@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from engine_worker.lookahead.acceptance import AcceptanceRate
 from engine_worker.lookahead.proposer import LookaheadProposer
 from engine_worker.lookahead.settings import LookaheadSettings
 
@@ -28,7 +29,8 @@ class Batch:
         self.num_tokens_no_spec = np.array([len(t) for t in requests.values()])
 
 
-def make_proposer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **settings: Any) -> LookaheadProposer:
+def make_proposer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, confident: bool = True,
+                  **settings: Any) -> LookaheadProposer:
     (tmp_path / "lookahead_cache_config.json").write_text(json.dumps(settings.pop("config", {})))
     monkeypatch.setenv("TACO_LLM_LOOKAHEAD_SETTINGS", "")
     LookaheadSettings(config_dir=str(tmp_path), budget_bytes=1 << 28, vocab_size=1000, **settings).export()
@@ -36,6 +38,9 @@ def make_proposer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **settings: A
                              model_config=SimpleNamespace(max_model_len=256))
     proposer = LookaheadProposer(config)
     proposer.bind_runner(SimpleNamespace(input_batch=None, requests={}))
+    if confident:
+        # As after a long run of accepted drafts: new requests draft as far as the index agrees.
+        proposer.global_acceptance.counts = AcceptanceRate(accepted=1000.0, rejected=0.0)
     return proposer
 
 
@@ -131,3 +136,29 @@ def test_per_request_mode_never_drafts_from_live_requests(tmp_path: Path, monkey
     requests = {"a": [*PROMPT, *output], "b": [1, 2, 3, 4, *output[:7]]}
     drafts = step(proposer, requests, {"a": len(PROMPT), "b": 4}, {"a": [63], "b": [56]})
     assert drafts["b"] == []
+
+
+def test_a_new_server_starts_with_short_drafts_and_lengthens_them_as_they_are_accepted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    proposer = make_proposer(tmp_path, monkeypatch, confident=False)
+    cycle = list(range(100, 120)) * 6
+    tokens = cycle[:41]
+    first = step(proposer, {"a": tokens}, {"a": 20}, {"a": [tokens[-1]]})["a"]
+    assert 0 < len(first) < 7, "no evidence yet: a short draft"
+    lengths = [len(first)]
+    for _ in range(4):  # every draft accepted
+        accepted = cycle[len(tokens):len(tokens) + lengths[-1] + 1]
+        tokens = tokens + accepted
+        lengths.append(len(step(proposer, {"a": tokens}, {"a": 20}, {"a": accepted})["a"]))
+    assert lengths[-1] == 7 and lengths == sorted(lengths), lengths
+
+
+def test_the_bar_for_drafting_rises_with_the_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    proposer = make_proposer(tmp_path, monkeypatch, confident=False)
+    # Lately one drafted token in six was accepted: worth a try alone, not at batch 4.
+    proposer.global_acceptance.counts = AcceptanceRate(accepted=1.0, rejected=9.0)
+    one = {"a": [*PROMPT, 13]}
+    assert step(proposer, one, {"a": len(PROMPT)}, {"a": [13]})["a"] == [14]
+    four = {name: [*PROMPT, 13] for name in "bcde"}
+    drafts = step(proposer, four, dict.fromkeys(four, len(PROMPT)), {key: [13] for key in four})
+    assert all(d == [] for d in drafts.values()), drafts

@@ -173,10 +173,13 @@ class Drafter:
         return found
 
     def draft(self, tail: array[int], own: TokenIndex | None, max_len: int,
-              live: Sequence[LiveSequence] = ()) -> list[int]:
+              live: Sequence[LiveSequence] = (), chance: float = 1.0, min_chance: float = 0.0) -> list[int]:
         """Up to max_len tokens to follow `tail` (the int32 array of the sequence's last tokens).
         `live` are other requests still running: what they have produced so far is drafted from too,
-        so that concurrent requests on the same template or document help each other at once."""
+        so that concurrent requests on the same template or document help each other at once.
+        `chance` is the request's recent chance that a drafted token is accepted; each token's is that
+        times the share of the occurrences' vote it won, and the draft stops once the chance that all its
+        tokens are accepted falls below `min_chance`."""
         if max_len <= 0:
             return []
         voters = self.find(tail, own, live)
@@ -187,6 +190,7 @@ class Drafter:
         strong = best >= max(self.key_lengths) or any(o.local for o in voters)
         min_share = 1.0 / self.config.token_paths_top_k
         draft: list[int] = []
+        cumulative = 1.0
         for step in range(max_len):
             votes: dict[int, float] = {}
             total = 0.0
@@ -199,6 +203,9 @@ class Drafter:
                 break
             token, weight = max(votes.items(), key=lambda item: item[1])
             if weight < min_share * total or (step == 0 and not strong and weight < self.config.threshold):
+                break
+            cumulative *= chance * weight / total
+            if cumulative < min_chance:
                 break
             draft.append(token)
             if token in self.eos:

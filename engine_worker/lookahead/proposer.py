@@ -5,8 +5,8 @@ returns one draft per batch row, which the next step verifies. vLLM's rejection 
 the tokens the model itself would have produced, so drafts only change speed.
 
 Speculation pays only where drafts are accepted, and costs compute everywhere, which on CPUs shows.
-Each request therefore drafts no more than its recent acceptance earns, stops drafting from weak
-matches after misses, and nobody drafts while more than `target_parallelism` requests decode.
+Each draft therefore stops where its tokens' estimated chance of acceptance no longer pays for their
+compute (acceptance.py), and nobody drafts while more than `target_parallelism` requests decode.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from . import metrics
+from .acceptance import MIN_WORTHWHILE_CHANCE, PRIOR_WEIGHT, STEP_DECAY, AcceptanceRate, GlobalAcceptance
 from .config import load_config, load_warmup
 from .index import Drafter, LiveSequence, TokenIndex
 from .settings import LookaheadSettings
@@ -29,8 +30,6 @@ from .sync import IndexSync
 
 logger = logging.getLogger(__name__)
 
-# Longest run of steps a request goes without drafting after drafts keep missing.
-MAX_BACKOFF_STEPS = 32
 # Tokens of other workers' sequences added per step, so that a burst never stalls a decode step.
 INBOX_TOKENS_PER_STEP = 8192
 DEFAULT_TARGET_PARALLELISM = 8
@@ -41,26 +40,16 @@ GAUGE_INTERVAL_SECONDS = 1.0
 class RequestState:
     own: TokenIndex
     num_prompt: int
-    cap: int
+    acceptance: AcceptanceRate
     drafted: int = 0
-    misses: int = 0
-    skip: int = 0
 
-    def record_verdict(self, num_sampled: int, copy_length: int) -> int:
-        """Updates the draft budget from how much of the last draft was accepted; returns that count."""
+    def record_verdict(self, num_sampled: int) -> int:
+        """Takes in how much of the last draft was accepted (vLLM sampled that many + 1); returns it."""
+        self.acceptance.decay(STEP_DECAY)
         if self.drafted == 0:
             return 0
         accepted = max(0, min(num_sampled - 1, self.drafted))
-        if accepted == self.drafted:
-            self.cap = min(copy_length, self.cap + 2)
-            self.misses = 0
-        elif accepted == 0:
-            self.cap = max(1, self.cap // 2)
-            self.misses += 1
-            self.skip = min(MAX_BACKOFF_STEPS, (1 << self.misses) - 1)
-        else:
-            self.cap = max(1, accepted + 1)
-            self.misses = 0
+        self.acceptance.observe(self.drafted, accepted)
         self.drafted = 0
         return accepted
 
@@ -92,6 +81,7 @@ class LookaheadProposer:
             config = config.model_copy(update={"eos_token_id": settings.eos_token_ids})
         self.drafter = Drafter(config, settings.budget_bytes)
         self.requests: dict[str, RequestState] = {}
+        self.global_acceptance = GlobalAcceptance()
         self.stats = LookaheadStats()
         self.runner: Any = None
         self._last_log = time.monotonic()
@@ -150,7 +140,10 @@ class LookaheadProposer:
                 continue
             state = self._state(batch.req_ids[row], row, batch)
             num_tokens = int(num_tokens_no_spec[row])
-            accepted = state.record_verdict(len(sampled), self.copy_length)
+            drafted = state.drafted
+            accepted = state.record_verdict(len(sampled))
+            if drafted:
+                self.global_acceptance.observe(drafted, accepted)
             if accepted:
                 self.stats.accepted_tokens += accepted
                 metrics.accepted_tokens.inc(accepted)
@@ -162,9 +155,12 @@ class LookaheadProposer:
         if len(decoding) <= self.max_parallel:
             live = [LiveSequence(state.own, state.num_prompt if self.settings.ignore_prompt else 0)
                     for _, state, _ in decoding] if self.config.global_cache_switch else []
+            # A drafted token costs the same at any batch size, but an accepted one saves only its own
+            # request's share of a step: the bar rises with the number of requests decoding.
+            min_chance = MIN_WORTHWHILE_CHANCE * len(decoding)
             for position, (row, state, num_tokens) in enumerate(decoding):
                 others = live[:position] + live[position + 1:]
-                drafts[row] = self._draft(state, num_tokens, others)
+                drafts[row] = self._draft(state, num_tokens, others, min_chance)
         self._forget_lost()
         elapsed = time.perf_counter() - started
         self.stats.steps += 1
@@ -179,19 +175,18 @@ class LookaheadProposer:
     def _state(self, req_id: str, row: int, batch: Any) -> RequestState:
         state = self.requests.get(req_id)
         if state is None:
-            state = RequestState(self.drafter.new_index(), int(batch.num_prompt_tokens[row]), self.copy_length)
+            state = RequestState(self.drafter.new_index(), int(batch.num_prompt_tokens[row]), AcceptanceRate())
             self.requests[req_id] = state
         return state
 
-    def _draft(self, state: RequestState, num_tokens: int, live: Sequence[LiveSequence]) -> list[int]:
-        room = min(state.cap, self.max_model_len - num_tokens - 1)
+    def _draft(self, state: RequestState, num_tokens: int, live: Sequence[LiveSequence],
+               min_chance: float) -> list[int]:
+        room = min(self.copy_length, self.max_model_len - num_tokens - 1)
         if room <= 0:
             return []
         tail = state.own.tokens[-self.drafter.max_match:]
-        if state.skip > 0:
-            state.skip -= 1
-            return []
-        draft = self.drafter.draft(tail, state.own, room, live)
+        chance = state.acceptance.rate(self.global_acceptance.rate(), PRIOR_WEIGHT)
+        draft = self.drafter.draft(tail, state.own, room, live, chance, min_chance)
         if draft:
             state.drafted = len(draft)
             self.stats.drafts += 1
