@@ -14,6 +14,9 @@ every method:
   rag       answer by quoting one of a few shared documents (the documents repeat across requests)
   template  fill the same report template for different items (the form repeats across requests)
   stories   open-ended stories on different topics (nothing repeats)
+  repeat    questions asked again by later requests, answers not in the prompt (an FAQ bot's traffic)
+Methods: none, ngram, suffix, lookahead (TACO-LLM's default config: drafts of up to 7 tokens) and
+lookahead-24 (copy_length 24, the draft depth suffix decoding defaults to).
 Written: output tok/s per method, workload and concurrency, each method's ratio to no speculation and
 to the better of ngram and suffix, draft acceptance (vLLM's own spec-decode counters), the lookahead
 proposer's time per step, and whether the outputs equal no speculation's. `suffix` needs the
@@ -67,6 +70,9 @@ ITEMS = ["a solar lantern", "a steel water bottle", "a folding chair", "a wool s
 TOPICS = ["a lighthouse keeper", "a lost robot", "a dragon who bakes", "a time-travelling cat", "a river spirit",
           "a chess prodigy", "a desert caravan", "a haunted violin", "a moon miner", "a gardener's secret",
           "a runaway train", "a talking fox"]
+FAQ = ["How do I reset my password?", "What is the refund policy for damaged items?",
+       "How long does international shipping take?", "Can I change my order after paying?",
+       "How do I contact customer support at night?", "What payment methods do you accept?"]
 TEMPLATE = ("Write a product card for {item}. Use exactly this form, filling in each line:\n"
             "Name: ...\nMaterial: ...\nBest for: ...\nCare: ...\nWarranty: two years, parts and labour.\n"
             "Shipping: free within the country, three to five working days.")
@@ -88,8 +94,14 @@ def workloads(requests: int) -> dict[str, list[list[list[dict[str, str]]]]]:
         doc = DOCUMENTS[i % len(DOCUMENTS)]
         return f"Answer by quoting the document.\nDocument: {doc}\nQuestion: {QUESTIONS[i % len(QUESTIONS)]}"
 
+    def repeat(i: int) -> str:
+        # Each level asks its own questions, each twice: the second asking can only draft from the first.
+        level, position = divmod(i, requests)
+        pool = FAQ[level * 3:(level + 1) * 3]
+        return f"As our shop's support assistant, answer: {pool[position % len(pool)]}"
+
     makers = {"copy": copy, "rag": rag, "template": lambda i: TEMPLATE.format(item=ITEMS[i % len(ITEMS)]),
-              "stories": lambda i: f"Write a short story about {TOPICS[i % len(TOPICS)]}."}
+              "stories": lambda i: f"Write a short story about {TOPICS[i % len(TOPICS)]}.", "repeat": repeat}
     return {name: [[[{"role": "user", "content": make(level * requests + i)}] for i in range(requests)]
                    for level in range(len(CONCURRENCY))] for name, make in makers.items()}
 
@@ -131,9 +143,15 @@ async def _run(base_url: str, chats: list[list[dict[str, str]]], concurrency: in
     return tokens / elapsed, list(texts)
 
 
-def _method_flags(method: str, config_dir: Path) -> list[str]:
-    if method == "lookahead":
-        return ["--lookahead-cache-config-dir", str(config_dir)]
+LOOKAHEAD_CONFIGS = {"lookahead": {}, "lookahead-24": {"copy_length": 24}}
+
+
+def _method_flags(method: str, config_root: Path) -> list[str]:
+    if method in LOOKAHEAD_CONFIGS:
+        folder = config_root / method
+        folder.mkdir(exist_ok=True)
+        (folder / "lookahead_cache_config.json").write_text(json.dumps(LOOKAHEAD_CONFIGS[method]))
+        return ["--lookahead-cache-config-dir", str(folder)]
     if method in SPECULATIVE:
         return ["--speculative-config", json.dumps(SPECULATIVE[method])]
     return []
@@ -204,8 +222,8 @@ def main() -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--requests", type=int, default=6, help="requests per workload and concurrency level")
-    parser.add_argument("--methods", default="none,ngram,suffix,lookahead")
-    parser.add_argument("--workloads", default="copy,rag,template,stories")
+    parser.add_argument("--methods", default="none,ngram,suffix,lookahead,lookahead-24")
+    parser.add_argument("--workloads", default="copy,rag,template,stories,repeat")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "lookahead.json")
     args = parser.parse_args()
     (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
@@ -221,7 +239,6 @@ def main() -> int:
             continue
         chosen_methods.append(method)
     with tempfile.TemporaryDirectory() as config_dir:
-        (Path(config_dir) / "lookahead_cache_config.json").write_text("{}")
         servers = [start_server(method, args, Path(config_dir)) for method in chosen_methods]
         try:
             for server in servers:
@@ -239,12 +256,19 @@ def main() -> int:
         peers = [methods[m][key]["tok_s"] for m in ("ngram", "suffix") if m in methods]
         entry: dict[str, Any] = {}
         for method, rows in methods.items():
+            diverged = sum(a != b for a, b in zip(rows[key]["texts"], base["texts"], strict=True))
             entry[method] = {"tok_s": rows[key]["tok_s"], "vs_none": round(rows[key]["tok_s"] / base["tok_s"], 3),
-                             "same_output_as_none": rows[key]["texts"] == base["texts"]}
-        if peers and "lookahead" in methods:
-            entry["lookahead_vs_best_peer"] = round(methods["lookahead"][key]["tok_s"] / max(peers), 3)
+                             "acceptance": rows[key]["acceptance"], "requests_unlike_none": diverged}
+        for method in LOOKAHEAD_CONFIGS:
+            if peers and method in methods:
+                entry[f"{method}_vs_best_peer"] = round(methods[method][key]["tok_s"] / max(peers), 3)
         summary[key] = entry
     results["summary"] = summary
+    # How many requests' outputs differed from no speculation's, per method (in float32 none should;
+    # in bfloat16 the verify step's other shapes round differently, for every method alike).
+    results["requests_unlike_none"] = {
+        method: sum(entry[method]["requests_unlike_none"] for entry in summary.values()) for method in methods}
+    results["requests_per_method"] = sum(len(rows["texts"]) for rows in methods.get("none", {}).values())
     args.out.write_text(json.dumps(results, indent=2))
     print(json.dumps(summary, indent=2))
     print(f"wrote {args.out}")
