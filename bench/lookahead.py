@@ -8,15 +8,18 @@ Every method runs in the same taco_llm worker behind the same gateway; only the 
 differs (vLLM's `ngram` and `suffix` through --speculative-config, ours through
 --lookahead-cache-config-dir). All methods' workers start first and stay up; then each workload and
 concurrency level (1 and 4) runs on every method in turn, in a rotating order, so that the machine's
-load drifting over the run falls on all of them alike. Each level has its own requests, the same for
-every method:
+load drifting over the run falls on all of them alike. The servers not being measured are frozen
+(SIGSTOP), so that their background threads (health checks, stat loggers, the engine's own polling
+after a burst) take nothing from the two cores. Each level has its own requests, the same for every
+method:
   copy      repeat a given code file (the answer is in the prompt)
   rag       answer by quoting one of a few shared documents (the documents repeat across requests)
   template  fill the same report template for different items (the form repeats across requests)
   stories   open-ended stories on different topics (nothing repeats)
   repeat    questions asked again by later requests, answers not in the prompt (an FAQ bot's traffic)
-Methods: none, ngram, suffix, lookahead (TACO-LLM's default config: drafts of up to 7 tokens) and
-lookahead-24 (copy_length 24, the draft depth suffix decoding defaults to).
+Methods: none, ngram, suffix, lookahead (TACO-LLM's default config: drafts of up to 7 tokens, matches
+of at least 2) and lookahead-tuned (docs/lookahead.md's setting for these CPUs: drafts of up to 24
+tokens, suffix decoding's depth, and single-token matches).
 Written: output tok/s per method, workload and concurrency, each method's ratio to no speculation and
 to the better of ngram and suffix, draft acceptance (vLLM's own spec-decode counters), the lookahead
 proposer's time per step, and whether the outputs equal no speculation's. `suffix` needs the
@@ -40,7 +43,7 @@ from typing import Any
 
 import openai
 from prometheus_client.parser import text_string_to_metric_families
-from servers import free_port, stop, wait_healthy
+from servers import free_port, pause, resume, stop, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "SmolLM2-135M-Instruct"
@@ -143,7 +146,10 @@ async def _run(base_url: str, chats: list[list[dict[str, str]]], concurrency: in
     return tokens / elapsed, list(texts)
 
 
-LOOKAHEAD_CONFIGS = {"lookahead": {}, "lookahead-24": {"copy_length": 24}}
+LOOKAHEAD_CONFIGS = {
+    "lookahead": {},
+    "lookahead-tuned": {"copy_length": 24, "match_length": 1, "min_match_length": 1, "threshold": 0},
+}
 
 
 def _method_flags(method: str, config_root: Path) -> list[str]:
@@ -200,6 +206,17 @@ def measure(server: Server, chats: list[list[dict[str, str]]], concurrency: int,
     return row
 
 
+def only_this_one(server: Server, servers: list[Server]) -> None:
+    """Freezes every other server (idle engines still poll), and waits for this one to answer."""
+    for other in servers:
+        if other is not server:
+            pause(other.gateway)
+            pause(other.worker)
+    resume(server.worker)
+    resume(server.gateway)
+    wait_healthy(f"{server.base_url}/health", [server.worker, server.gateway])
+
+
 def bench(servers: list[Server], loads: dict[str, list[list[list[dict[str, str]]]]],
           max_tokens: int) -> dict[str, dict[str, Any]]:
     """Every method runs each workload and level before the next one starts, in a rotating order, so
@@ -209,6 +226,7 @@ def bench(servers: list[Server], loads: dict[str, list[list[list[dict[str, str]]
     for name, levels in loads.items():
         for concurrency, chats in zip(CONCURRENCY, levels, strict=True):
             for server in servers[turn:] + servers[:turn]:
+                only_this_one(server, servers)
                 row = measure(server, chats, concurrency, max_tokens)
                 rows[server.method][f"{name}@{concurrency}"] = row
                 print(f"{server.method:9s} {name:8s} c={concurrency}: {row['tok_s']:7.2f} tok/s  acceptance "
@@ -222,7 +240,7 @@ def main() -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--requests", type=int, default=6, help="requests per workload and concurrency level")
-    parser.add_argument("--methods", default="none,ngram,suffix,lookahead,lookahead-24")
+    parser.add_argument("--methods", default="none,ngram,suffix,lookahead,lookahead-tuned")
     parser.add_argument("--workloads", default="copy,rag,template,stories,repeat")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "lookahead.json")
     args = parser.parse_args()
@@ -243,6 +261,8 @@ def main() -> int:
         try:
             for server in servers:
                 wait_healthy(f"{server.base_url}/health", [server.worker, server.gateway])
+            for server in servers:
+                only_this_one(server, servers)
                 asyncio.run(_run(server.base_url, [[{"role": "user", "content": "Hello!"}]], 1, 8))  # warm-up
             results["methods"] = bench(servers, loads, args.max_tokens)
         finally:

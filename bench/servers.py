@@ -39,12 +39,25 @@ def wait_healthy(url: str, processes: list[subprocess.Popen[bytes]], timeout: fl
 def stop(process: subprocess.Popen[bytes]) -> None:
     """SIGTERM to the process group (servers are started in their own session), then SIGKILL."""
     if process.poll() is None:
+        resume(process)
         os.killpg(process.pid, signal.SIGTERM)
         try:
             process.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+def pause(process: subprocess.Popen[bytes]) -> None:
+    """Freezes a server's whole process group. Idle vLLM CPU engines still poll and take a fifth of a
+    core each, so a benchmark that keeps several servers up freezes all but the one it measures."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGSTOP)
+
+
+def resume(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGCONT)
 
 
 def launch(argv: list[str], log: Path, cwd: Path = ROOT) -> subprocess.Popen[bytes]:

@@ -283,7 +283,7 @@ def test_uvicorn_log_level(gateway: Callable[..., Gateway]) -> None:
     assert "Uvicorn running on" in chatty.process.tail(400)
 
 
-# --- `taco_llm serve --config FILE --api-key KEY` over HTTPS: one more engine --------------------------
+# --- `taco_llm serve --config FILE --api-key KEY` over HTTPS, in one process: one more engine ----------
 
 
 @dataclass
@@ -300,10 +300,12 @@ def secured(model_dir: Path, log_dir: Path, certs: Certificates, tmp_path_factor
     config.write_text(f"api_key: {FILE_KEY}\nserved_model_name: [alpha, beta]\nmax-logprobs: 3\n"
                       "disable_log_stats: true\nmax-log-len: 100\nlog-stats-interval: 1\n")
     port, grpc_port = free_port(), free_port()
+    # --disable-frontend-multiprocessing too: every option here works the same with the gateway and the
+    # worker on one event loop, and the suite starts one engine fewer.
     process = _start("serve-secured", ["serve", "--config", str(config), "--port", str(port), "--grpc-port",
                                        str(grpc_port), "--api-key", SERVE_KEY, "--ssl-certfile",
                                        str(certs.server_cert), "--ssl-keyfile", str(certs.server_key),
-                                       *ENGINE_FLAGS], log_dir)
+                                       "--disable-frontend-multiprocessing", *ENGINE_FLAGS], log_dir)
     # The supervisor says "ready" only once its probe got /v1/models over HTTPS with the key.
     wait_until(process, lambda: "taco_llm: ready in" in process.log.read_text(errors="replace"), START_TIMEOUT)
     yield Secured(Stack(process, f"https://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"), _tls(certs))
@@ -412,7 +414,7 @@ def test_disable_log_stats_and_max_log_len_warning(secured: Secured, stack: Stac
     assert len(warnings) == 1, log[-3000:]
 
 
-# --- --disable-frontend-multiprocessing: one more engine ------------------------------------------------
+# --- --disable-frontend-multiprocessing (the secured stack runs that way) ----------------------------
 
 
 def _children(pid: int) -> list[tuple[int, str]]:
@@ -429,26 +431,18 @@ def _children(pid: int) -> list[tuple[int, str]]:
     return found
 
 
-def test_disable_frontend_multiprocessing(model_dir: Path, log_dir: Path, client: openai.OpenAI) -> None:
-    port, grpc_port = free_port(), free_port()
-    process = _start("serve-one-process", ["serve", "--disable-frontend-multiprocessing", "--port", str(port),
-                                           "--grpc-port", str(grpc_port), "--api-key", GATEWAY_KEY, *ENGINE_FLAGS],
-                     log_dir)
-    try:
-        wait_until(process, lambda: "taco_llm: ready in" in process.log.read_text(errors="replace"), START_TIMEOUT)
-        children = _children(process.popen.pid)
-        assert len(children) == 1 and "taco_llm.single_process" in children[0][1], children
-        # vLLM's own EngineCore is the one process below it.
-        assert len(_children(children[0][0])) >= 1
-        api = _openai(f"http://127.0.0.1:{port}", GATEWAY_KEY)
-        answer = api.chat.completions.create(model=api.models.list().data[0].id, **CHAT)
-        reference = client.chat.completions.create(model=client.models.list().data[0].id, **CHAT)
-        assert answer.choices[0].message.content == reference.choices[0].message.content
-        # The gRPC hop is kept: the worker answers on its port, and wants the key there too.
-        with pytest.raises(grpc.RpcError) as excinfo:
-            _grpc_call(f"127.0.0.1:{grpc_port}", lambda s: s.GetModelInfo(engine_pb2.GetModelInfoRequest()))
-        assert excinfo.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 401
-    finally:
-        code = process.stop()
-    assert code == 0, f"taco_llm serve exited with {code} on SIGTERM:\n{process.tail()}"
+def test_disable_frontend_multiprocessing(secured: Secured, client: openai.OpenAI) -> None:
+    process = secured.stack.process
+    children = _children(process.popen.pid)
+    assert len(children) == 1 and "taco_llm.single_process" in children[0][1], children
+    # vLLM's own EngineCore is the one process below it.
+    assert len(_children(children[0][0])) >= 1
+    api = _openai(secured.stack.base_url, SERVE_KEY, secured.verify)
+    answer = api.chat.completions.create(model="alpha", **CHAT)
+    reference = client.chat.completions.create(model=client.models.list().data[0].id, **CHAT)
+    assert answer.choices[0].message.content == reference.choices[0].message.content
+    # The gRPC hop is kept: the worker answers on its port, and wants the key there too (as
+    # test_worker_wants_the_key_over_grpc shows in detail).
+    with pytest.raises(grpc.RpcError) as excinfo:
+        _grpc_call(secured.stack.grpc_address, lambda s: s.GetModelInfo(engine_pb2.GetModelInfoRequest()))
+    assert excinfo.value.code() == grpc.StatusCode.UNAUTHENTICATED

@@ -26,9 +26,9 @@ def tail(index: TokenIndex) -> array[int]:
 
 def test_drafts_continue_the_requests_own_earlier_text() -> None:
     drafter = Drafter(LookaheadCacheConfig(), GiB)
-    own = own_index(drafter, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 50, 51, 1, 2, 3])
-    assert drafter.draft(tail(own), own, 7) == [4, 5, 6, 7, 8, 9, 10]
-    assert drafter.draft(tail(own), own, 3) == [4, 5, 6]
+    own = own_index(drafter, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 50, 51, 1, 2, 3, 4])
+    assert drafter.draft(tail(own), own, 7) == [5, 6, 7, 8, 9, 10, 50]
+    assert drafter.draft(tail(own), own, 3) == [5, 6, 7]
 
 
 def test_drafts_come_from_other_requests_through_the_shared_index() -> None:
@@ -129,12 +129,19 @@ def test_a_request_that_keeps_rejecting_drafts_stops_and_tries_again_later() -> 
 
 def test_draft_length_follows_the_chance_of_acceptance() -> None:
     drafter = Drafter(LookaheadCacheConfig(copy_length=24), GiB)
-    own = own_index(drafter, [*range(100, 130), 1, 2, *range(100, 104)])
+    own = own_index(drafter, [*range(100, 150), 1, 2, *range(100, 116)])
     assert len(drafter.draft(tail(own), own, 24, chance=1.0, min_chance=0.06)) == 24
     # 0.9^26 is 0.065: a reliable request drafts far; a doubtful one a few tokens; a bad one none.
     assert len(drafter.draft(tail(own), own, 24, chance=0.9, min_chance=0.06)) == 24
     assert len(drafter.draft(tail(own), own, 24, chance=0.5, min_chance=0.06)) == 4
     assert drafter.draft(tail(own), own, 24, chance=0.05, min_chance=0.06) == []
     # Where the past disagrees, a token's chance is its share of the vote.
-    drafter.add_shared([100, 101, 102, 103, 55, 56])
+    drafter.add_shared([*range(100, 116), 55, 56])
     assert len(drafter.draft(tail(own), own, 24, chance=0.9, min_chance=0.3)) < 24
+
+
+def test_a_short_match_drafts_only_a_short_way() -> None:
+    drafter = Drafter(LookaheadCacheConfig(copy_length=24), GiB)
+    own = own_index(drafter, [*range(100, 150), 1, 2, 3, 100, 101, 102])
+    # Three tokens matched: at most six drafted, however far the earlier text goes on.
+    assert drafter.draft(tail(own), own, 24) == list(range(103, 109))

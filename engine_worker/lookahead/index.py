@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from .config import LookaheadCacheConfig
 
 SEPARATOR = -1
+# The longest draft a match of n tokens may give is this many times n (replayed on recorded outputs of
+# bench/lookahead.py's workloads, 2 did best of 1, 2 and unbounded, most of all with long copy_length).
+DRAFT_TOKENS_PER_MATCHED_TOKEN = 2
 # Bytes one indexed position costs, measured with tracemalloc (tests/test_lookahead_index.py checks it):
 # the int32 token; per key its bytes, its dict slot and its array of positions; 4 bytes per position
 # plus the array's spare room.
@@ -189,6 +192,8 @@ class Drafter:
         voters = [o for o in voters if o.matched == best]
         strong = best >= max(self.key_lengths) or any(o.local for o in voters)
         min_share = 1.0 / self.config.token_paths_top_k
+        # A short match says little about what follows far ahead: it may draft only so far.
+        max_len = min(max_len, DRAFT_TOKENS_PER_MATCHED_TOKEN * best)
         draft: list[int] = []
         cumulative = 1.0
         for step in range(max_len):
