@@ -1,0 +1,237 @@
+"""Drafting policies compared without noise: recorded greedy outputs replayed through the proposers.
+
+    python bench/lookahead_replay.py --record          # once: greedy outputs of bench/lookahead.py's workloads
+    python bench/lookahead_replay.py [--config '{"copy_length": 24}' ...] [--out bench/results/replay.json]
+
+Greedy output does not depend on the drafts (float32), so one recorded run says which tokens every
+method must produce. The replay feeds them to each proposer step by step, as vLLM's model runner would
+(requests joining up to the concurrency, a draft accepted up to its first wrong token, plus one), and
+prices every step with costs measured on these CPUs: STEP_SECONDS a step (+SPEC_SECONDS with speculation
+on), TOKEN_SECONDS a drafted token. The speed over no speculation is deterministic, so policy changes of
+a few percent show, where bench/lookahead.py's cells move 5-10% between runs. The proposers: ours (the
+real LookaheadProposer, once per --config) and, with arctic-inference installed, the SuffixDecodingCache
+that vLLM's `suffix` method drives, called as vLLM calls it. A script, not a test; bench/lookahead.py
+stays the measurement of record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Protocol
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from engine_worker.lookahead.proposer import LookaheadProposer  # noqa: E402
+from engine_worker.lookahead.settings import LookaheadSettings  # noqa: E402
+
+RECORDED = ROOT / "bench" / "results" / "greedy_outputs.json"
+# Measured with a proposer whose drafts are always wrong (float32, eager, batch 1 and 4): see
+# engine_worker/lookahead/acceptance.py.
+STEP_SECONDS = 0.032
+SPEC_SECONDS = 0.0015
+TOKEN_SECONDS = 0.0015
+CONCURRENCY = (1, 4)
+REQUESTS = 6
+
+
+class Proposer(Protocol):
+    runner: Any
+
+    def propose(self, sampled: list[list[int]], num_tokens: np.ndarray, token_ids: np.ndarray) -> list[list[int]]: ...
+
+    def finish(self, req_ids: list[str]) -> None: ...
+
+
+class Row:
+    """One running request: its recorded prompt and output, and how much of the output is produced."""
+
+    def __init__(self, req_id: str, prompt: list[int], output: list[int]):
+        self.req_id, self.prompt, self.output = req_id, prompt, output
+        self.produced = 0
+        self.draft: list[int] = []
+
+
+class InputBatch:
+    """The fields of vLLM's InputBatch that the proposers read."""
+
+    def __init__(self, rows: list[Row]):
+        self.req_ids = [r.req_id for r in rows]
+        self.req_id_to_index = {r.req_id: i for i, r in enumerate(rows)}
+        self.num_prompt_tokens = np.array([len(r.prompt) for r in rows])
+        self.num_tokens_no_spec = np.array([len(r.prompt) + r.produced for r in rows])
+        self.token_ids_cpu = np.zeros((len(rows), int(self.num_tokens_no_spec.max()) + 8), dtype=np.int32)
+        for i, r in enumerate(rows):
+            tokens = r.prompt + r.output[:r.produced]
+            self.token_ids_cpu[i, :len(tokens)] = tokens
+
+
+def ours(config: dict[str, Any], folder: Path) -> Proposer:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "lookahead_cache_config.json").write_text(json.dumps(config))
+    copy_length = int(config.get("copy_length", 7))
+    LookaheadSettings(config_dir=str(folder), budget_bytes=1 << 30, vocab_size=49152, eos_token_ids=[2]).export()
+    proposer = LookaheadProposer(SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=copy_length),
+        model_config=SimpleNamespace(max_model_len=4096)))
+    proposer.bind_runner(SimpleNamespace(input_batch=None, requests={}))
+    return proposer
+
+
+class Suffix:
+    """arctic-inference's SuffixDecodingCache, driven as vLLM's SuffixDecodingProposer drives it."""
+
+    def __init__(self, depth: int = 24, factor: float = 1.0, min_prob: float = 0.1):
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+        self.cache = SuffixDecodingCache(max_tree_depth=depth, max_cached_requests=10000)
+        self.depth, self.factor, self.min_prob = depth, factor, min_prob
+        self.runner = SimpleNamespace(input_batch=None, requests={})
+
+    def finish(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            if req_id in self.cache.active_requests:
+                self.cache.stop_request(req_id)
+
+    def propose(self, sampled: list[list[int]], num_tokens: np.ndarray, token_ids: np.ndarray) -> list[list[int]]:
+        batch, drafts = self.runner.input_batch, []
+        for i, new in enumerate(sampled):
+            req_id, count = batch.req_ids[i], int(num_tokens[i])
+            if req_id not in self.cache.active_requests:
+                self.cache.start_request(req_id, token_ids[i, :int(batch.num_prompt_tokens[i])])
+            self.cache.add_active_response(req_id, new)
+            draft = self.cache.speculate(req_id, token_ids[i, max(0, count - self.depth):count],
+                                         max_spec_tokens=self.depth, max_spec_factor=self.factor,
+                                         min_token_prob=self.min_prob)
+            drafts.append(list(draft.token_ids))
+        return drafts
+
+
+def replay(proposer: Proposer | None, records: list[dict[str, list[int]]], concurrency: int, tag: str) -> float:
+    """Output tokens per second of the priced run (proposer None: no speculation)."""
+    waiting = [Row(f"{tag}-{i}", r["prompt"], r["output"]) for i, r in enumerate(records)]
+    running: list[Row] = []
+    finished: list[str] = []
+    seconds = 0.0
+    while waiting or running:
+        while waiting and len(running) < concurrency:
+            running.append(waiting.pop(0))
+        if finished and proposer is not None:
+            proposer.finish(finished)
+        finished = []
+        sampled, drafted = [], 0
+        for row in running:
+            truth = row.output[row.produced:]
+            accepted = 0
+            while accepted < min(len(row.draft), len(truth)) and row.draft[accepted] == truth[accepted]:
+                accepted += 1
+            drafted += len(row.draft)
+            step = truth[:accepted + 1]
+            sampled.append(step)
+            row.produced += len(step)
+        seconds += STEP_SECONDS + TOKEN_SECONDS * drafted + (SPEC_SECONDS if proposer is not None else 0.0)
+        drafts: list[list[int]] = [[] for _ in running]
+        if proposer is not None:
+            batch = InputBatch(running)
+            proposer.runner.input_batch = batch
+            proposer.runner.requests = dict.fromkeys(batch.req_ids)
+            drafts = proposer.propose(sampled, batch.num_tokens_no_spec, batch.token_ids_cpu)
+        still = []
+        for row, draft in zip(running, drafts, strict=True):
+            if row.produced >= len(row.output):
+                finished.append(row.req_id)
+            else:
+                row.draft = draft
+                still.append(row)
+        running = still
+    if proposer is not None and finished:
+        proposer.finish(finished)
+    return sum(len(r["output"]) for r in records) / seconds
+
+
+def record(path: Path) -> None:
+    """Greedy outputs of every workload, from a taco_llm server without speculation (float32)."""
+    import openai
+    from lookahead import MODEL, workloads
+    from servers import free_port, launch, stop, wait_healthy
+
+    port, grpc_port = free_port(), free_port()
+    server = launch([sys.executable, "-m", "taco_llm.cli", "serve", "--port", str(port), "--grpc-port",
+                     str(grpc_port), "--dtype", "float32", "--max-model-len", "4096", "--seed", "0",
+                     "--kv-cache-memory-bytes", "1G"], path.with_suffix(".log"))
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/health", [server])
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=600)
+        recorded: dict[str, list[dict[str, list[int]]]] = {}
+        for name, levels in workloads(REQUESTS).items():
+            recorded[name] = []
+            for chats in levels:
+                for messages in chats:
+                    reply = client.chat.completions.create(model=MODEL, messages=messages,  # type: ignore[arg-type]
+                                                           max_tokens=128, temperature=0,
+                                                           extra_body={"return_token_ids": True})
+                    assert reply.model_extra is not None and reply.choices[0].model_extra is not None
+                    recorded[name].append({"prompt": reply.model_extra["prompt_token_ids"],
+                                           "output": reply.choices[0].model_extra["token_ids"]})
+            print(f"recorded {name}", flush=True)
+        path.write_text(json.dumps(recorded))
+    finally:
+        stop(server)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--record", action="store_true", help="record the greedy outputs first")
+    parser.add_argument("--recorded", type=Path, default=RECORDED)
+    parser.add_argument("--config", action="append", default=None,
+                        help="a lookahead_cache_config.json for ours, as JSON (repeatable; default: {} and "
+                        "bench/lookahead.py's tuned config)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "lookahead_replay.json")
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT / "bench"))
+    args.recorded.parent.mkdir(parents=True, exist_ok=True)
+    if args.record:
+        record(args.recorded)
+    recorded = json.loads(args.recorded.read_text())
+    logging.disable(logging.INFO)
+    from lookahead import LOOKAHEAD_CONFIGS
+
+    configs = [json.loads(c) for c in args.config] if args.config else list(LOOKAHEAD_CONFIGS.values())
+    with tempfile.TemporaryDirectory() as scratch:
+        proposers: dict[str, Proposer] = {f"ours {json.dumps(c)}": ours(c, Path(scratch) / str(i))
+                                          for i, c in enumerate(configs)}
+        try:
+            proposers["suffix"] = Suffix()
+        except ImportError:
+            print("suffix skipped: arctic-inference is not installed", flush=True)
+        # Every proposer sees the workloads in bench/lookahead.py's order, its index growing as there.
+        speedups: dict[str, dict[str, float]] = {name: {} for name in proposers}
+        for workload, records in recorded.items():
+            for level, concurrency in enumerate(CONCURRENCY):
+                cell = records[level * REQUESTS:(level + 1) * REQUESTS]
+                key = f"{workload}@{concurrency}"
+                base = replay(None, cell, concurrency, key)
+                for name, proposer in proposers.items():
+                    speedups[name][key] = round(replay(proposer, cell, concurrency, key) / base, 3)
+    summary = {name: round(math.exp(sum(map(math.log, cells.values())) / len(cells)), 3)
+               for name, cells in speedups.items()}
+    args.out.write_text(json.dumps({"speed_over_none": speedups, "geometric_mean": summary,
+                                    "costs_seconds": {"step": STEP_SECONDS, "speculation_on": SPEC_SECONDS,
+                                                      "drafted_token": TOKEN_SECONDS}}, indent=2))
+    for name, cells in speedups.items():
+        print(f"{name}: geometric mean {summary[name]}  " + "  ".join(f"{k} {v:.2f}" for k, v in cells.items()))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
