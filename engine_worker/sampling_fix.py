@@ -30,7 +30,7 @@ def expand_per_token(output: torch.Tensor, input: torch.Tensor, cu_num_tokens: t
     """output[t] = input[r] for every token t of request r (cu_num_tokens: cumulative tokens per request),
     with replace_from swapped for replace_to; any dtype. The signature is the Triton kernel's."""
     counts = torch.diff(cu_num_tokens.to(torch.long), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
-    values = torch.where(input == replace_from, torch.tensor(replace_to, dtype=input.dtype), input)
+    values = torch.where(input == replace_from, torch.tensor(replace_to, dtype=input.dtype, device=input.device), input)
     expanded = torch.repeat_interleave(values, counts)
     output[:expanded.numel()].copy_(expanded)
 
@@ -46,7 +46,11 @@ def expansion_is_correct() -> bool:
 
 def apply() -> bool:
     """Installs the correction where vLLM's expansion is wrong; returns whether it did."""
-    if expansion_is_correct():
+    from vllm.platforms import current_platform
+
+    # Only vLLM's CPU platform swaps the Triton kernel for the faulty one; elsewhere the real kernel
+    # runs (and would refuse the check's CPU tensors).
+    if not current_platform.is_cpu() or expansion_is_correct():
         return False
     from vllm.triton_utils.dispatcher import register_kernels
 
