@@ -1,11 +1,12 @@
 """How long a draft is worth drafting: an estimate of the chance that each drafted token is accepted.
 
 A drafted token costs compute in the verify pass whether or not it is accepted; an accepted one saves a
-whole engine step. Measured on these 2-core CPUs with the bundled model (float32, eager; ngram drafts on
-a counting prompt that accepts everything): a step costs about 35 ms whether it carries 1 or 4
-requests, and each drafted token adds about 2 ms (batch 1: 28 tok/s with no drafts, 189 with 7-token
-drafts, 294 with 24; batch 4: 115, 338 and 456). So the i-th token of a draft pays for itself when the
-chance that it and every token before it are accepted is above about 2/35: the draft stops there.
+whole engine step. Measured on these 2-core CPUs with the bundled model (float32, eager), with a
+proposer whose drafts are always rejected (median of three runs of 200 steps): a step costs about 32 ms
+at batch 1 and 33-38 ms at batch 4, and drafted tokens add about 1-1.5 ms each (batch 1: 33 ms with
+speculation on and no drafts, 41 ms with 8 drafted tokens, 54 with 16; batch 4: 38 ms, 84 ms with 32
+drafted tokens, 150 with 64). So the i-th token of a draft pays for itself when the chance that it and
+every token before it are accepted is above about 1.5/32: the draft stops there.
 
 The chance per token is the request's recent acceptance rate (accepted tokens against drafts cut short
 by a rejection, the estimate for a geometric run of acceptances) times how strongly the index's
@@ -17,13 +18,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# A drafted token's cost over a step's (2 ms / 35 ms, above), rounded up: the least cumulative chance of
-# acceptance at which a draft goes on.
+# A drafted token's cost over a step's (1.5 ms / 32 ms, above), rounded up: the least cumulative chance
+# of acceptance at which a draft goes on at batch 1 (the proposer multiplies it by the batch).
 MIN_WORTHWHILE_CHANCE = 0.06
 STEP_DECAY = 0.85        # per decoding step of the request
 PRIOR_WEIGHT = 0.5       # how many observations the prior counts as
 GLOBAL_DECAY = 0.995     # per verdict, across all requests: the prior for a new request
 FIRST_PRIOR = 0.5
+GLOBAL_PRIOR_WEIGHT = 2.0
 
 
 @dataclass(slots=True)
@@ -57,4 +59,4 @@ class GlobalAcceptance:
         self.counts.observe(drafted, accepted)
 
     def rate(self) -> float:
-        return self.counts.rate(FIRST_PRIOR, 2.0)
+        return self.counts.rate(FIRST_PRIOR, GLOBAL_PRIOR_WEIGHT)
