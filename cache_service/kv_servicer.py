@@ -11,10 +11,13 @@ store holds its own copy.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import threading
 import zlib
-from collections.abc import AsyncIterator, Sequence
-from typing import NoReturn
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import NoReturn, TypeVar
 
 import grpc
 
@@ -29,6 +32,20 @@ logger = logging.getLogger(__name__)
 CHUNK_BYTES = 1024 * 1024  # the most bytes one message carries, either way
 MAX_KEYS_PER_CALL = 65536
 TOP_HITS_REPORTED = 16
+
+T = TypeVar("T")
+
+
+async def _settled(future: asyncio.Future[T]) -> T:
+    """The result of work running on a thread. A cancelled call still waits for that work to end:
+    the window it reads or writes must stay pinned (its fd open) until then."""
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        while not future.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([future])
+        raise
 
 
 async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
@@ -71,8 +88,8 @@ class KVBlockStoreServicer(kv_cache_pb2_grpc.KVBlockStoreServicer):
             await _abort(context, error.code, error.message)
 
     async def _read_window(self, chunk: kv_cache_pb2.PutBlocksChunk, index: int,
-                           context: grpc.aio.ServicerContext) -> bytes:
-        """A put block's bytes, copied out of the client's window."""
+                           context: grpc.aio.ServicerContext) -> tuple[bytes, int]:
+        """A put block's bytes, copied out of the client's window, and their checksum."""
         if chunk.data:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                          f"block {index}: data: a block whose bytes are in a window carries none in the message")
@@ -81,8 +98,10 @@ class KVBlockStoreServicer(kv_cache_pb2_grpc.KVBlockStoreServicer):
                          f"block {index}: window.length {chunk.window.length} is not header.size "
                          f"{chunk.header.size}")
         window = await self._window(chunk.window, context)
+        loop = asyncio.get_running_loop()
         try:
-            return window.read(chunk.window.offset, chunk.window.length)
+            return await _settled(loop.run_in_executor(None, _read_and_check, window, chunk.window.offset,
+                                                       chunk.window.length))
         except WindowError as error:
             await _abort(context, error.code, f"block {index}: {error.message}")
         finally:
@@ -124,8 +143,8 @@ class KVBlockStoreServicer(kv_cache_pb2_grpc.KVBlockStoreServicer):
             if from_window and chunk.HasField("header") and header is None:
                 index += 1
                 await self._check_header(chunk.header, index, context)
-                copied = await self._read_window(chunk, index, context)
-                if await self._store(chunk.header, copied, index, reply, context) is PutOutcome.STORED:
+                copied, checksum = await self._read_window(chunk, index, context)
+                if await self._store(chunk.header, copied, checksum, index, reply, context) is PutOutcome.STORED:
                     self.windows.counters.bytes_stored_shm += len(copied)
                 continue
             if from_window:
@@ -151,17 +170,19 @@ class KVBlockStoreServicer(kv_cache_pb2_grpc.KVBlockStoreServicer):
                 await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                              f"block {index}: got more bytes than header.size {header.size}")
             if len(data) == header.size:
-                await self._store(header, bytes(data), index, reply, context)
+                whole = bytes(data)
+                checksum = await asyncio.get_running_loop().run_in_executor(None, zlib.crc32, whole)
+                await self._store(header, whole, checksum, index, reply, context)
                 header, data = None, bytearray()
         if header is not None:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                          f"block {index}: the stream ended after {len(data)} of its {header.size} bytes")
         return reply
 
-    async def _store(self, header: kv_cache_pb2.BlockHeader, data: bytes, index: int,
+    async def _store(self, header: kv_cache_pb2.BlockHeader, data: bytes, checksum: int, index: int,
                      reply: kv_cache_pb2.PutBlocksResponse, context: grpc.aio.ServicerContext) -> PutOutcome:
-        """Checks a complete block's checksum, stores it and counts the outcome in the reply."""
-        checksum = zlib.crc32(data)
+        """Checks a complete block's checksum (computed off the event loop), stores it and counts the
+        outcome in the reply."""
         if checksum != header.checksum:
             await _abort(context, grpc.StatusCode.DATA_LOSS,
                          f"block {index}: checksum mismatch (header.checksum {header.checksum}, bytes {checksum})")
@@ -225,13 +246,10 @@ class KVBlockStoreServicer(kv_cache_pb2_grpc.KVBlockStoreServicer):
                                  f"window.length {request.window.length} cannot hold the {len(blocks)} blocks' "
                                  f"{total} bytes")
                 yield _headers(blocks)
-                position = request.window.offset
-                for segment in range(blocks[0].num_segments if blocks else 0):
-                    for block in blocks:
-                        length = len(block.data) // block.num_segments
-                        window.write(position, memoryview(block.data)[segment * length:(segment + 1) * length])
-                        position += length
-                    yield kv_cache_pb2.GetBlocksChunk(segments_in_window=segment + 1)
+                # aclosing: however this call ends, the copy has stopped before the window is released.
+                async with contextlib.aclosing(_write_segment_major(window, blocks, request.window.offset)) as done:
+                    async for segments in done:
+                        yield kv_cache_pb2.GetBlocksChunk(segments_in_window=segments)
                 served = True
                 self.windows.counters.bytes_served_shm += total
             except WindowError as error:
@@ -258,6 +276,47 @@ class KVBlockStoreServicer(kv_cache_pb2_grpc.KVBlockStoreServicer):
         if store.count_hits:
             reply.top_hits.extend(kv_cache_pb2.BlockHits(key=k, hits=h) for k, h in store.top_hits(TOP_HITS_REPORTED))
         return reply
+
+
+def _read_and_check(window: Window, offset: int, length: int) -> tuple[bytes, int]:
+    data = window.read(offset, length)
+    return data, zlib.crc32(data)
+
+
+async def _write_segment_major(window: Window, blocks: Sequence[Block], position: int) -> AsyncGenerator[int, None]:
+    """Writes the blocks into the window segment-major on a worker thread, and yields the number of
+    segments finished as each one is. The copies (pwrite releases the GIL) run off the event loop,
+    so that Lookups, which the scheduler waits on, are answered while a load streams; one thread
+    call for the whole load keeps the handoffs out of the throughput."""
+    loop = asyncio.get_running_loop()
+    progress: asyncio.Queue[int | BaseException] = asyncio.Queue()
+    stop = threading.Event()
+    segments = blocks[0].num_segments if blocks else 0
+
+    def write_all() -> None:
+        offset = position
+        try:
+            for segment in range(segments):
+                if stop.is_set():
+                    return
+                for block in blocks:
+                    length = len(block.data) // block.num_segments
+                    window.write(offset, memoryview(block.data)[segment * length:(segment + 1) * length])
+                    offset += length
+                loop.call_soon_threadsafe(progress.put_nowait, segment + 1)
+        except BaseException as error:  # handed to the event loop, which raises it in the call
+            loop.call_soon_threadsafe(progress.put_nowait, error)
+
+    copying = loop.run_in_executor(None, write_all)
+    try:
+        for _ in range(segments):
+            item = await progress.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        await _settled(copying)
 
 
 def _headers(blocks: Sequence[Block]) -> kv_cache_pb2.GetBlocksChunk:
