@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -18,10 +19,35 @@ ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT = 600.0
 
 
+def _ephemeral_ports() -> range:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
+_EPHEMERAL = _ephemeral_ports()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port nothing listens on, chosen outside the kernel's ephemeral range.
+
+    A port the kernel hands out for bind(0) lies in the range it also draws outgoing connections
+    from: between this check and the server's own bind, some client's connection (the suite opens
+    many) can take it. Outside that range only another listener can."""
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(15000, 65535)
+        if port in _EPHEMERAL:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port outside the ephemeral range")
 
 
 def http_status(url: str) -> int | None:
