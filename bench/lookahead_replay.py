@@ -9,9 +9,10 @@ method must produce. The replay feeds them to each proposer step by step, as vLL
 prices every step with costs measured on these CPUs: STEP_SECONDS a step (+SPEC_SECONDS with speculation
 on), TOKEN_SECONDS a drafted token. The speed over no speculation is deterministic, so policy changes of
 a few percent show, where bench/lookahead.py's cells move 5-10% between runs. The proposers: ours (the
-real LookaheadProposer, once per --config) and, with arctic-inference installed, the SuffixDecodingCache
-that vLLM's `suffix` method drives, called as vLLM calls it. A script, not a test; bench/lookahead.py
-stays the measurement of record.
+real LookaheadProposer, once per --config), with arctic-inference installed the SuffixDecodingCache
+that vLLM's `suffix` method drives, called as vLLM calls it, and an oracle that drafts the longest true
+continuation found anywhere in the text seen so far: the ceiling of any drafter that copies seen text.
+A script, not a test; bench/lookahead.py stays the measurement of record.
 """
 
 from __future__ import annotations
@@ -116,11 +117,45 @@ class Suffix:
         return drafts
 
 
+class Oracle:
+    """The ceiling of drafting from seen text: knows each request's true output and drafts its longest
+    next stretch found anywhere in what has been seen (every started request's prompt, every token
+    produced so far). Every draft is accepted. No index-based drafter, ours or `suffix`, can beat it
+    on the same text and costs."""
+
+    SEPARATOR = chr(0x10FFFF)  # token ids are below 49152: never part of a match
+
+    def __init__(self) -> None:
+        self.runner = SimpleNamespace(input_batch=None, requests={})
+        self.truth: dict[str, list[int]] = {}
+        self.seen: dict[str, str] = {}  # request id: its prompt and output so far, as text
+
+    def finish(self, req_ids: list[str]) -> None:
+        return  # finished requests stay seen
+
+    def propose(self, sampled: list[list[int]], num_tokens: np.ndarray, token_ids: np.ndarray) -> list[list[int]]:
+        batch, drafts = self.runner.input_batch, []
+        for i, req_id in enumerate(batch.req_ids):
+            self.seen[req_id] = "".join(map(chr, token_ids[i, :int(num_tokens[i])]))
+        text = self.SEPARATOR.join(self.seen.values())
+        for i, req_id in enumerate(batch.req_ids):
+            produced = int(num_tokens[i]) - int(batch.num_prompt_tokens[i])
+            ahead = "".join(map(chr, self.truth[req_id][produced:]))
+            low, high = 0, len(ahead)  # a prefix that occurs has every shorter prefix occur too
+            while low < high:
+                middle = (low + high + 1) // 2
+                low, high = (middle, high) if ahead[:middle] in text else (low, middle - 1)
+            drafts.append([ord(c) for c in ahead[:low]])
+        return drafts
+
+
 def replay(proposer: Proposer | None, records: list[dict[str, list[int]]], concurrency: int, tag: str) -> float:
     """Output tokens per second of the priced run (proposer None: no speculation)."""
     waiting = [Row(f"{tag}-{i}", r["prompt"], r["output"]) for i, r in enumerate(records)]
     running: list[Row] = []
     finished: list[str] = []
+    if isinstance(proposer, Oracle):
+        proposer.truth.update((row.req_id, row.output) for row in waiting)
     seconds = 0.0
     while waiting or running:
         while waiting and len(running) < concurrency:
@@ -213,6 +248,7 @@ def main() -> int:
             proposers["suffix"] = Suffix()
         except ImportError:
             print("suffix skipped: arctic-inference is not installed", flush=True)
+        proposers["oracle (ceiling)"] = Oracle()
         # Every proposer sees the workloads in bench/lookahead.py's order, its index growing as there.
         speedups: dict[str, dict[str, float]] = {name: {} for name in proposers}
         for workload, records in recorded.items():
