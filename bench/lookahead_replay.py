@@ -11,7 +11,8 @@ on), TOKEN_SECONDS a drafted token. The speed over no speculation is determinist
 a few percent show, where bench/lookahead.py's cells move 5-10% between runs. The proposers: ours (the
 real LookaheadProposer, once per --config), with arctic-inference installed the SuffixDecodingCache
 that vLLM's `suffix` method drives, called as vLLM calls it, and an oracle that drafts the longest true
-continuation found anywhere in the text seen so far: the ceiling of any drafter that copies seen text.
+continuation in the text seen so far (anywhere, or where the context's longest suffix occurs): ceilings
+for drafters that copy seen text.
 A script, not a test; bench/lookahead.py stays the measurement of record.
 """
 
@@ -118,14 +119,18 @@ class Suffix:
 
 
 class Oracle:
-    """The ceiling of drafting from seen text: knows each request's true output and drafts its longest
-    next stretch found anywhere in what has been seen (every started request's prompt, every token
-    produced so far). Every draft is accepted. No index-based drafter, ours or `suffix`, can beat it
-    on the same text and costs."""
+    """Ceilings of drafting from seen text. Both know each request's true output; every draft they
+    make is accepted. Unanchored, an oracle drafts the longest next stretch of the truth found
+    anywhere in what has been seen (every started request's prompt, every token produced so far): no
+    drafter that copies seen text can beat it. Anchored, it looks only where the longest suffix of the
+    request's context (2 tokens or more) occurs, as an index drafter does, and takes the continuation
+    that agrees longest with the truth: what perfect choice among the index's branches would give."""
 
     SEPARATOR = chr(0x10FFFF)  # token ids are below 49152: never part of a match
+    MIN_ANCHOR, MAX_ANCHOR = 2, 32
 
-    def __init__(self) -> None:
+    def __init__(self, anchored: bool) -> None:
+        self.anchored = anchored
         self.runner = SimpleNamespace(input_batch=None, requests={})
         self.truth: dict[str, list[int]] = {}
         self.seen: dict[str, str] = {}  # request id: its prompt and output so far, as text
@@ -141,12 +146,37 @@ class Oracle:
         for i, req_id in enumerate(batch.req_ids):
             produced = int(num_tokens[i]) - int(batch.num_prompt_tokens[i])
             ahead = "".join(map(chr, self.truth[req_id][produced:]))
-            low, high = 0, len(ahead)  # a prefix that occurs has every shorter prefix occur too
-            while low < high:
-                middle = (low + high + 1) // 2
-                low, high = (middle, high) if ahead[:middle] in text else (low, middle - 1)
-            drafts.append([ord(c) for c in ahead[:low]])
+            context = self.seen[req_id]
+            length = self._anchored(text, context, ahead) if self.anchored else self._anywhere(text, ahead)
+            drafts.append([ord(c) for c in ahead[:length]])
         return drafts
+
+    @staticmethod
+    def _anywhere(text: str, ahead: str) -> int:
+        low, high = 0, len(ahead)  # a prefix that occurs has every shorter prefix occur too
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if ahead[:middle] in text else (low, middle - 1)
+        return low
+
+    def _anchored(self, text: str, context: str, ahead: str) -> int:
+        for size in range(min(self.MAX_ANCHOR, len(context)), self.MIN_ANCHOR - 1, -1):
+            anchor = context[-size:]
+            best, found = 0, False
+            at = text.find(anchor)
+            while at != -1:
+                follows = at + size
+                if follows < len(text) and text[follows] != self.SEPARATOR:
+                    found = True
+                    agreed = 0
+                    while (agreed < len(ahead) and follows + agreed < len(text)
+                           and text[follows + agreed] == ahead[agreed]):
+                        agreed += 1
+                    best = max(best, agreed)
+                at = text.find(anchor, at + 1)
+            if found:
+                return best
+        return 0
 
 
 def replay(proposer: Proposer | None, records: list[dict[str, list[int]]], concurrency: int, tag: str) -> float:
@@ -248,7 +278,8 @@ def main() -> int:
             proposers["suffix"] = Suffix()
         except ImportError:
             print("suffix skipped: arctic-inference is not installed", flush=True)
-        proposers["oracle (ceiling)"] = Oracle()
+        proposers["oracle, anchored (ceiling of choosing among the index's branches)"] = Oracle(anchored=True)
+        proposers["oracle, anywhere (ceiling of copying seen text)"] = Oracle(anchored=False)
         # Every proposer sees the workloads in bench/lookahead.py's order, its index growing as there.
         speedups: dict[str, dict[str, float]] = {name: {} for name in proposers}
         for workload, records in recorded.items():

@@ -20,7 +20,9 @@ against the cache service, on a stand-in KV cache shaped like the real one (bf16
 layers x K/V x 3 heads x 128 tokens x 64 dims = 2.95 MB a block). A put is the worker's save: one
 gather out of the KV cache (into the shared-memory ring, or a private buffer), CRC-32, PutBlocks. A get
 is the worker's load: GetBlocks, each layer copied into the KV cache as it lands, CRC-32 per block.
-Both transports take turns on fresh keys, round after round, so drift falls on both alike.
+Both transports take turns on fresh keys, round after round, so drift falls on both alike. Meanwhile a
+thread sends a Lookup every 10 ms, as the scheduler does for each new request, and times the answers:
+the scheduler waits on them (0.25 s at most, then it recomputes), so they must not queue behind copies.
 Servers run one after another; these machines are shared and noisy, so this is a script, not a test.
 """
 
@@ -32,6 +34,7 @@ import json
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -169,6 +172,10 @@ def _throughput(address: str, rounds: int, blocks_per_round: int, put_batch: int
             raise RuntimeError(f"{name}: a load failed")
 
     seconds = {name: {"put": 0.0, "get": 0.0} for name in clients}
+    streaming = threading.Event()
+    latencies: list[float] = []
+    lookups = threading.Thread(target=_time_lookups, args=(address, streaming, latencies), daemon=True)
+    lookups.start()
     try:
         for round_index in range(rounds):
             for name in ("grpc", "shm") if round_index % 2 == 0 else ("shm", "grpc"):
@@ -180,6 +187,8 @@ def _throughput(address: str, rounds: int, blocks_per_round: int, put_batch: int
                     seconds[name][what] += time.perf_counter() - started
         served_shm = clients["shm"].shared_memory
     finally:
+        streaming.set()
+        lookups.join()
         clients["shm"].detach(ring_window)
         for client in clients.values():
             client.close()
@@ -192,7 +201,26 @@ def _throughput(address: str, rounds: int, blocks_per_round: int, put_batch: int
         result[name] = {"put_MBps": total / seconds[name]["put"], "get_MBps": total / seconds[name]["get"]}
     result["shm_vs_grpc_put"] = result["shm"]["put_MBps"] / result["grpc"]["put_MBps"]
     result["shm_vs_grpc_get"] = result["shm"]["get_MBps"] / result["grpc"]["get_MBps"]
+    latencies.sort()
+    result["lookup_ms_while_streaming"] = {
+        "count": len(latencies), "p50": 1e3 * latencies[len(latencies) // 2],
+        "p99": 1e3 * latencies[int(len(latencies) * 0.99)], "max": 1e3 * latencies[-1]}
     return result
+
+
+def _time_lookups(address: str, done: threading.Event, latencies: list[float]) -> None:
+    """Lookup round trips, every 10 ms until `done`, of an 8-block chain the service does not hold."""
+    import grpc
+
+    from protos import kv_cache_pb2, kv_cache_pb2_grpc
+
+    keys = [hashlib.sha256(f"never-stored-{i}".encode()).digest() for i in range(8)]
+    with grpc.insecure_channel(address) as channel:
+        stub = kv_cache_pb2_grpc.KVBlockStoreStub(channel)
+        while not done.wait(0.01):
+            started = time.perf_counter()
+            stub.Lookup(kv_cache_pb2.LookupRequest(keys=keys), timeout=30)
+            latencies.append(time.perf_counter() - started)
 
 
 def _servers(python: str, engine: list[str], cache_address: str, log_dir: Path,
