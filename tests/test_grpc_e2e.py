@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -35,14 +36,21 @@ def _status(call: object) -> tuple[grpc.StatusCode, str, dict[str, str]]:
     return error.code(), error.details(), dict(error.trailing_metadata() or ())
 
 
-def _wait_idle(engine: engine_pb2_grpc.EngineStub, timeout: float = 20.0) -> engine_pb2.Load:
+def _wait_load(engine: engine_pb2_grpc.EngineStub, running: int, streams: int,
+               timeout: float = 20.0) -> engine_pb2.Load:
+    """Polls GetLoad until it shows `running` requests in the scheduler and `streams` open Generate calls.
+    The scheduler's counts are the ones of its latest step, so a request can show a step late."""
     deadline = time.monotonic() + timeout
     while True:
         load = engine.GetLoad(engine_pb2.GetLoadRequest())
-        if (load.num_running_requests == 0 and load.num_waiting_requests == 0 and load.num_active_streams == 0) \
-                or time.monotonic() > deadline:
+        if (load.num_running_requests == running and load.num_waiting_requests == 0
+                and load.num_active_streams == streams) or time.monotonic() > deadline:
             return load
-        time.sleep(0.2)
+        time.sleep(0.05)
+
+
+def _wait_idle(engine: engine_pb2_grpc.EngineStub) -> engine_pb2.Load:
+    return _wait_load(engine, running=0, streams=0)
 
 
 def test_generate_streams_tokens(engine: engine_pb2_grpc.EngineStub) -> None:
@@ -124,7 +132,8 @@ def test_cancelled_stream_is_aborted_in_the_engine(engine: engine_pb2_grpc.Engin
                                  ignore_eos=True))
     for received, _ in enumerate(call, start=1):
         if received == 5:
-            assert engine.GetLoad(engine_pb2.GetLoadRequest()).num_running_requests == 1
+            load = _wait_load(engine, running=1, streams=1)
+            assert load.num_running_requests == 1 and load.num_active_streams == 1, load
             call.cancel()
             break
     load = _wait_idle(engine)
@@ -168,9 +177,11 @@ def test_http_client_disconnect_aborts_the_engine_request(stack: Stack,
             "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{stack.base_url}/v1/chat/completions", json=body, timeout=60) as reply:
         assert reply.status_code == 200
-        for i, _ in enumerate(reply.iter_lines()):
-            if i == 10:
-                break
-        assert engine.GetLoad(engine_pb2.GetLoadRequest()).num_running_requests == 1
+        # Held in a name: an abandoned line iterator is closed at once, and closing it disconnects.
+        lines = reply.iter_lines()
+        events = [line for line in itertools.islice(lines, 12) if line]
+        assert len(events) == 6 and all(e.startswith('data: {"id":"chatcmpl-') for e in events), events
+        load = _wait_load(engine, running=1, streams=1)
+        assert load.num_running_requests == 1 and load.num_active_streams == 1, load
     load = _wait_idle(engine)
     assert load.num_running_requests == 0 and load.num_active_streams == 0
