@@ -124,13 +124,15 @@ class Oracle:
     anywhere in what has been seen (every started request's prompt, every token produced so far): no
     drafter that copies seen text can beat it. Anchored, it looks only where the longest suffix of the
     request's context (2 tokens or more) occurs, as an index drafter does, and takes the continuation
-    that agrees longest with the truth: what perfect choice among the index's branches would give."""
+    that agrees longest with the truth: what perfect choice among the index's branches would give.
+    `max_len` caps each draft, as vLLM's num_speculative_tokens caps a real drafter's."""
 
     SEPARATOR = chr(0x10FFFF)  # token ids are below 49152: never part of a match
     MIN_ANCHOR, MAX_ANCHOR = 2, 32
 
-    def __init__(self, anchored: bool) -> None:
+    def __init__(self, anchored: bool, max_len: int | None = None) -> None:
         self.anchored = anchored
+        self.max_len = max_len  # vLLM's draft budget a step (num_speculative_tokens); None: unbounded
         self.runner = SimpleNamespace(input_batch=None, requests={})
         self.truth: dict[str, list[int]] = {}
         self.seen: dict[str, str] = {}  # request id: its prompt and output so far, as text
@@ -148,6 +150,8 @@ class Oracle:
             ahead = "".join(map(chr, self.truth[req_id][produced:]))
             context = self.seen[req_id]
             length = self._anchored(text, context, ahead) if self.anchored else self._anywhere(text, ahead)
+            if self.max_len is not None:
+                length = min(length, self.max_len)
             drafts.append([ord(c) for c in ahead[:length]])
         return drafts
 
@@ -280,6 +284,11 @@ def main() -> int:
             print("suffix skipped: arctic-inference is not installed", flush=True)
         proposers["oracle, anchored (ceiling of choosing among the index's branches)"] = Oracle(anchored=True)
         proposers["oracle, anywhere (ceiling of copying seen text)"] = Oracle(anchored=False)
+        # The anchored ceiling again, within the largest draft budget ours runs with. Between ours and this
+        # row lie which branch to follow, how far to follow it, and the price of rejected tokens; the
+        # budget itself does not.
+        budget = max(int(c.get("copy_length", 7)) for c in configs)
+        proposers[f"oracle, anchored, at most {budget} tokens a draft"] = Oracle(anchored=True, max_len=budget)
         # Every proposer sees the workloads in bench/lookahead.py's order, its index growing as there.
         speedups: dict[str, dict[str, float]] = {name: {} for name in proposers}
         for workload, records in recorded.items():
