@@ -44,6 +44,7 @@ SPEC_SECONDS = 0.0015
 TOKEN_SECONDS = 0.0015
 CONCURRENCY = (1, 4)
 REQUESTS = 6
+MAX_TOKENS = 128  # bench/lookahead.py's, and --record's
 
 
 class Proposer(Protocol):
@@ -212,7 +213,8 @@ def replay(proposer: Proposer | None, records: list[dict[str, list[int]]], concu
         if proposer is not None:
             batch = InputBatch(running)
             proposer.runner.input_batch = batch
-            proposer.runner.requests = dict.fromkeys(batch.req_ids)
+            proposer.runner.requests = {row.req_id: SimpleNamespace(sampling_params=SimpleNamespace(
+                max_tokens=MAX_TOKENS)) for row in running}
             drafts = proposer.propose(sampled, batch.num_tokens_no_spec, batch.token_ids_cpu)
         still = []
         for row, draft in zip(running, drafts, strict=True):
@@ -246,7 +248,7 @@ def record(path: Path) -> None:
             for chats in levels:
                 for messages in chats:
                     reply = client.chat.completions.create(model=MODEL, messages=messages,  # type: ignore[arg-type]
-                                                           max_tokens=128, temperature=0,
+                                                           max_tokens=MAX_TOKENS, temperature=0,
                                                            extra_body={"return_token_ids": True})
                     assert reply.model_extra is not None and reply.choices[0].model_extra is not None
                     recorded[name].append({"prompt": reply.model_extra["prompt_token_ids"],

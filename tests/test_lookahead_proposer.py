@@ -45,10 +45,12 @@ def make_proposer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, confident: bo
 
 
 def step(proposer: LookaheadProposer, requests: dict[str, list[int]], prompt_lengths: dict[str, int],
-         sampled: dict[str, list[int]]) -> dict[str, list[int]]:
+         sampled: dict[str, list[int]], max_tokens: int | None = None) -> dict[str, list[int]]:
     batch = Batch(requests, prompt_lengths)
     proposer.runner.input_batch = batch
-    proposer.runner.requests = dict.fromkeys(requests)
+    # The runner's CachedRequestState: the proposer reads each request's max_tokens there.
+    proposer.runner.requests = {r: SimpleNamespace(sampling_params=SimpleNamespace(max_tokens=max_tokens))
+                                for r in requests}
     drafts = proposer.propose([sampled[r] for r in requests], batch.num_tokens_no_spec, batch.token_ids_cpu)
     return dict(zip(requests, drafts, strict=True))
 
@@ -105,6 +107,16 @@ def test_prefill_chunks_get_no_draft_and_drafts_respect_the_context_length(tmp_p
     assert step(proposer, {"a": PROMPT}, {"a": len(PROMPT)}, {"a": []}) == {"a": []}
     cycle = list(range(100, 120)) * 13  # 252 tokens of 256 leave room for 3 more
     assert step(proposer, {"b": cycle[:252]}, {"b": 20}, {"b": [cycle[251]]})["b"] == cycle[252:255]
+
+
+def test_drafts_stop_where_the_request_reaches_max_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # vLLM verifies every drafted token, even those past max_tokens: the proposer drafts no further than
+    # the request may go. Three output tokens of at most six leave room for two drafted and one sampled.
+    proposer = make_proposer(tmp_path, monkeypatch)
+    tokens = [*PROMPT, 13, 14, 15]
+    assert step(proposer, {"a": tokens}, {"a": len(PROMPT)}, {"a": [15]}, max_tokens=6)["a"] == [16, 17]
+    assert step(proposer, {"b": tokens}, {"b": len(PROMPT)}, {"b": [15]}, max_tokens=4)["b"] == []
+    assert step(proposer, {"c": tokens}, {"c": len(PROMPT)}, {"c": [15]})["c"] == [16, 17, 18, 19, 20, 30, 31]
 
 
 def test_requests_running_side_by_side_draft_from_each_others_output(tmp_path: Path,
