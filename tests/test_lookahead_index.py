@@ -72,6 +72,28 @@ def test_the_more_frequent_continuation_wins_and_a_fork_without_majority_stops()
     assert even.draft(tail(own), own, 3) == [8]  # top_k 1 demands unanimity
 
 
+def test_a_match_that_differs_in_one_token_points_to_where_the_text_came_from() -> None:
+    # A numbered list: item 2 repeats item 1's text. Only one token of the tail ("." after the number)
+    # matches exactly, and what most often followed it (30, 31) is not item 1's text; skipping the
+    # differing number, the tail matches item 1 six tokens back.
+    config = LookaheadCacheConfig(match_length=1, min_match_length=1, threshold=0)
+    drafter = Drafter(config, GiB)
+    item_1 = [5, 6, 7, 8, 101, 9, 20, 21, 22, 23]
+    own = own_index(drafter, [*item_1, 40, 9, 30, 31, 41, 9, 30, 31, 5, 6, 7, 8, 102, 9])
+    assert drafter.draft(tail(own), own, 4) == [20, 21, 22, 23]
+    # Without the list's text before the number, the most frequent continuation wins as before.
+    other = own_index(drafter, [*item_1, 40, 9, 30, 31, 41, 9, 30, 31, 60, 61, 62, 63, 102, 9])
+    assert drafter.draft(tail(other), other, 4) == [30, 31]
+
+
+def test_a_one_token_match_drafts_from_the_requests_own_text_first() -> None:
+    drafter = Drafter(LookaheadCacheConfig(match_length=1, min_match_length=1, threshold=0), GiB)
+    for _ in range(3):
+        drafter.add_shared([70, 9, 30, 31])
+    own = own_index(drafter, [50, 9, 20, 21, 51, 9])
+    assert drafter.draft(tail(own), own, 2) == [20, 21]
+
+
 def test_drafts_stop_at_end_of_sequence() -> None:
     drafter = Drafter(LookaheadCacheConfig(eos_token_id=2), GiB)
     own = own_index(drafter, [5, 6, 7, 2, 9, 9, 5, 6, 7])
