@@ -9,10 +9,10 @@ method must produce. The replay feeds them to each proposer step by step, as vLL
 prices every step with costs measured on these CPUs: STEP_SECONDS a step (+SPEC_SECONDS with speculation
 on), TOKEN_SECONDS a drafted token. The speed over no speculation is deterministic, so policy changes of
 a few percent show, where bench/lookahead.py's cells move 5-10% between runs. The proposers: ours (the
-real LookaheadProposer, once per --config), with arctic-inference installed the SuffixDecodingCache
-that vLLM's `suffix` method drives, called as vLLM calls it, and an oracle that drafts the longest true
-continuation in the text seen so far (anywhere, or where the context's longest suffix occurs): ceilings
-for drafters that copy seen text.
+real LookaheadProposer, once per --config), vLLM's own NgramProposer, with arctic-inference installed
+the SuffixDecodingCache that vLLM's `suffix` method drives, called as vLLM calls it, and oracles that
+draft the longest true continuation in the text seen so far (anywhere, or where the context's longest
+suffix occurs): ceilings for drafters that copy seen text.
 A script, not a test; bench/lookahead.py stays the measurement of record.
 """
 
@@ -119,20 +119,46 @@ class Suffix:
         return drafts
 
 
+class Ngram:
+    """vLLM's NgramProposer (prompt lookup), with bench/lookahead.py's settings."""
+
+    def __init__(self) -> None:
+        from lookahead import SPECULATIVE
+        from vllm.v1.spec_decode.ngram_proposer import NgramProposer
+
+        spec = SPECULATIVE["ngram"]
+        self.k = int(spec["num_speculative_tokens"])
+        self.proposer = NgramProposer(SimpleNamespace(  # type: ignore[arg-type]
+            speculative_config=SimpleNamespace(**spec), model_config=SimpleNamespace(max_model_len=4096),
+            scheduler_config=SimpleNamespace(max_num_seqs=max(CONCURRENCY)),
+            parallel_config=SimpleNamespace(tensor_parallel_size=1)))
+        self.runner = SimpleNamespace(input_batch=None, requests={})
+
+    def finish(self, req_ids: list[str]) -> None:
+        return
+
+    def propose(self, sampled: list[list[int]], num_tokens: np.ndarray, token_ids: np.ndarray) -> list[list[int]]:
+        # vLLM's buffer is max_model_len wide; the replay's is only as wide as the longest row.
+        wide = np.zeros((len(sampled), 4096), dtype=np.int32)
+        wide[:, :token_ids.shape[1]] = token_ids
+        return self.proposer.propose(self.k, sampled, num_tokens.astype(np.int32), wide)
+
+
 class Oracle:
     """Ceilings of drafting from seen text. Both know each request's true output; every draft they
     make is accepted. Unanchored, an oracle drafts the longest next stretch of the truth found
     anywhere in what has been seen (every started request's prompt, every token produced so far): no
     drafter that copies seen text can beat it. Anchored, it looks only where the longest suffix of the
-    request's context (2 tokens or more) occurs, as an index drafter does, and takes the continuation
-    that agrees longest with the truth: what perfect choice among the index's branches would give.
-    `max_len` caps each draft, as vLLM's num_speculative_tokens caps a real drafter's."""
+    request's context (`min_anchor` tokens or more) occurs, as an index drafter does, and takes the
+    continuation that agrees longest with the truth: what perfect choice among the index's branches
+    would give. `max_len` caps each draft, as vLLM's num_speculative_tokens caps a real drafter's."""
 
     SEPARATOR = chr(0x10FFFF)  # token ids are below 49152: never part of a match
-    MIN_ANCHOR, MAX_ANCHOR = 2, 32
+    MAX_ANCHOR = 32
 
-    def __init__(self, anchored: bool, max_len: int | None = None) -> None:
+    def __init__(self, anchored: bool, max_len: int | None = None, min_anchor: int = 2) -> None:
         self.anchored = anchored
+        self.min_anchor = min_anchor
         self.max_len = max_len  # vLLM's draft budget a step (num_speculative_tokens); None: unbounded
         self.runner = SimpleNamespace(input_batch=None, requests={})
         self.truth: dict[str, list[int]] = {}
@@ -165,7 +191,7 @@ class Oracle:
         return low
 
     def _anchored(self, text: str, context: str, ahead: str) -> int:
-        for size in range(min(self.MAX_ANCHOR, len(context)), self.MIN_ANCHOR - 1, -1):
+        for size in range(min(self.MAX_ANCHOR, len(context)), self.min_anchor - 1, -1):
             anchor = context[-size:]
             best, found = 0, False
             at = text.find(anchor)
@@ -280,17 +306,24 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as scratch:
         proposers: dict[str, Proposer] = {f"ours {json.dumps(c)}": ours(c, Path(scratch) / str(i))
                                           for i, c in enumerate(configs)}
+        proposers["ngram"] = Ngram()
         try:
             proposers["suffix"] = Suffix()
         except ImportError:
             print("suffix skipped: arctic-inference is not installed", flush=True)
-        proposers["oracle, anchored (ceiling of choosing among the index's branches)"] = Oracle(anchored=True)
+        proposers["oracle, anchored from 2 tokens (ceiling of choosing among the index's branches)"] = Oracle(
+            anchored=True)
         proposers["oracle, anywhere (ceiling of copying seen text)"] = Oracle(anchored=False)
         # The anchored ceiling again, within the largest draft budget ours runs with. Between ours and this
         # row lie which branch to follow, how far to follow it, and the price of rejected tokens; the
         # budget itself does not.
         budget = max(int(c.get("copy_length", 7)) for c in configs)
-        proposers[f"oracle, anchored, at most {budget} tokens a draft"] = Oracle(anchored=True, max_len=budget)
+        proposers[f"oracle, anchored from 2 tokens, at most {budget} tokens a draft"] = Oracle(
+            anchored=True, max_len=budget)
+        # Anchored on a single token too, where no longer suffix occurs, as ours does with match_length 1: a
+        # perfect choice among every occurrence of that token is close to knowing where to look.
+        proposers[f"oracle, anchored from 1 token, at most {budget} tokens a draft"] = Oracle(
+            anchored=True, max_len=budget, min_anchor=1)
         # Every proposer sees the workloads in bench/lookahead.py's order, its index growing as there.
         speedups: dict[str, dict[str, float]] = {name: {} for name in proposers}
         for workload, records in recorded.items():
