@@ -3,12 +3,14 @@
     python bench/lookahead_replay.py --record          # once: greedy outputs of bench/lookahead.py's workloads
     python bench/lookahead_replay.py [--config '{"copy_length": 24}' ...] [--out bench/results/replay.json]
 
+    python bench/lookahead_replay.py --fit bench/results/lookahead.json   # refit COSTS to a machine run
+
 Greedy output does not depend on the drafts (float32), so one recorded run says which tokens every
 method must produce. The replay feeds them to each proposer step by step, as vLLM's model runner would
-(requests joining up to the concurrency, a draft accepted up to its first wrong token, plus one), and
-prices every step with costs measured on these CPUs: STEP_SECONDS a step (+SPEC_SECONDS with speculation
-on), TOKEN_SECONDS a drafted token. The speed over no speculation is deterministic, so policy changes of
-a few percent show, where bench/lookahead.py's cells move 5-10% between runs. The proposers: ours (the
+(requests joining up to the concurrency, a draft accepted up to its first wrong token, plus one),
+counts the work (steps, drafted tokens, prompt tokens) and prices it with COSTS. The speed over no
+speculation is deterministic, so policy changes of a few percent show, where bench/lookahead.py's
+cells move 5-10% between runs. The proposers: ours (the
 real LookaheadProposer, once per --config), vLLM's own NgramProposer, with arctic-inference installed
 the SuffixDecodingCache that vLLM's `suffix` method drives, called as vLLM calls it, and oracles that
 draft the longest true continuation in the text seen so far (anywhere, or where the context's longest
@@ -24,6 +26,7 @@ import logging
 import math
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Protocol
@@ -37,11 +40,13 @@ from engine_worker.lookahead.proposer import LookaheadProposer  # noqa: E402
 from engine_worker.lookahead.settings import LookaheadSettings  # noqa: E402
 
 RECORDED = ROOT / "bench" / "results" / "greedy_outputs.json"
-# Measured with a proposer whose drafts are always wrong (float32, eager, batch 1 and 4): see
-# engine_worker/lookahead/acceptance.py.
-STEP_SECONDS = 0.032
-SPEC_SECONDS = 0.0015
-TOKEN_SECONDS = 0.0015
+# Seconds per unit of work, fitted by least squares (--fit) to bench/lookahead.py's run of 2026-12-04:
+# 5 methods x 10 cells, float32, eager. With them the replay's speed over no speculation is within 3.9%
+# of that run's on average (8.5% at most, about the machine's own noise); the costs measured step
+# by step before (32 ms a step, 1.5 ms a drafted token, no prefill) were 7.9% off (24% at most), too
+# hopeful wherever long prompts or long drafts make prefill and verification weigh more.
+COSTS = {"step_at_1": 0.0253, "step_at_4": 0.0287, "speculation_on": 0.0018, "drafted_token": 0.00124,
+         "prompt_token": 0.00118}
 CONCURRENCY = (1, 4)
 REQUESTS = 6
 MAX_TOKENS = 128  # bench/lookahead.py's, and --record's
@@ -210,31 +215,50 @@ class Oracle:
         return 0
 
 
-def replay(proposer: Proposer | None, records: list[dict[str, list[int]]], concurrency: int, tag: str) -> float:
-    """Output tokens per second of the priced run (proposer None: no speculation)."""
+@dataclass
+class Work:
+    """What a replayed cell made the engine do."""
+
+    steps: int = 0
+    drafted_tokens: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+    def features(self, concurrency: int, speculating: bool) -> list[float]:
+        """Amounts in COSTS' order."""
+        return [self.steps * (concurrency == 1), self.steps * (concurrency != 1), self.steps * speculating,
+                self.drafted_tokens, self.prompt_tokens]
+
+    def seconds(self, concurrency: int, speculating: bool) -> float:
+        return sum(a * c for a, c in zip(self.features(concurrency, speculating), COSTS.values(), strict=True))
+
+
+def run(proposer: Proposer | None, records: list[dict[str, list[int]]], concurrency: int, tag: str) -> Work:
+    """The work of one cell (proposer None: no speculation)."""
     waiting = [Row(f"{tag}-{i}", r["prompt"], r["output"]) for i, r in enumerate(records)]
     running: list[Row] = []
     finished: list[str] = []
     if isinstance(proposer, Oracle):
         proposer.truth.update((row.req_id, row.output) for row in waiting)
-    seconds = 0.0
+    work = Work(prompt_tokens=sum(len(r["prompt"]) for r in records),
+                output_tokens=sum(len(r["output"]) for r in records))
     while waiting or running:
         while waiting and len(running) < concurrency:
             running.append(waiting.pop(0))
         if finished and proposer is not None:
             proposer.finish(finished)
         finished = []
-        sampled, drafted = [], 0
+        sampled = []
         for row in running:
             truth = row.output[row.produced:]
             accepted = 0
             while accepted < min(len(row.draft), len(truth)) and row.draft[accepted] == truth[accepted]:
                 accepted += 1
-            drafted += len(row.draft)
+            work.drafted_tokens += len(row.draft)
             step = truth[:accepted + 1]
             sampled.append(step)
             row.produced += len(step)
-        seconds += STEP_SECONDS + TOKEN_SECONDS * drafted + (SPEC_SECONDS if proposer is not None else 0.0)
+        work.steps += 1
         drafts: list[list[int]] = [[] for _ in running]
         if proposer is not None:
             batch = InputBatch(running)
@@ -252,7 +276,51 @@ def replay(proposer: Proposer | None, records: list[dict[str, list[int]]], concu
         running = still
     if proposer is not None and finished:
         proposer.finish(finished)
-    return sum(len(r["output"]) for r in records) / seconds
+    return work
+
+
+def replay(proposer: Proposer | None, records: list[dict[str, list[int]]], concurrency: int, tag: str) -> float:
+    """Output tokens per second of the priced run (proposer None: no speculation)."""
+    work = run(proposer, records, concurrency, tag)
+    return work.output_tokens / work.seconds(concurrency, proposer is not None)
+
+
+def fit(recorded: dict[str, list[dict[str, list[int]]]], machine_run: Path) -> dict[str, float]:
+    """COSTS that best explain a bench/lookahead.py run: each method's work in each cell, replayed,
+    against the seconds the machine took (output tokens over its tok/s), by least squares."""
+    from lookahead import LOOKAHEAD_CONFIGS
+
+    summary = json.loads(machine_run.read_text())["summary"]
+    amounts, seconds, cells = [], [], []
+    with tempfile.TemporaryDirectory() as scratch:
+        proposers: dict[str, Proposer | None] = {"none": None, "ngram": Ngram()}
+        try:
+            proposers["suffix"] = Suffix()
+        except ImportError:
+            print("suffix left out of the fit: arctic-inference is not installed", flush=True)
+        proposers.update({name: ours(config, Path(scratch) / name) for name, config in LOOKAHEAD_CONFIGS.items()})
+        for workload, records in recorded.items():
+            for level, concurrency in enumerate(CONCURRENCY):
+                cell = records[level * REQUESTS:(level + 1) * REQUESTS]
+                key = f"{workload}@{concurrency}"
+                for name, proposer in proposers.items():
+                    if name not in summary.get(key, {}):
+                        continue
+                    work = run(proposer, cell, concurrency, key)
+                    amounts.append(work.features(concurrency, proposer is not None))
+                    seconds.append(work.output_tokens / summary[key][name]["tok_s"])
+                    cells.append((key, name))
+    matrix, measured = np.array(amounts, dtype=float), np.array(seconds)
+    for label, costs in (("before", np.array(list(COSTS.values()))),
+                         ("fitted", np.linalg.lstsq(matrix, measured, rcond=None)[0])):
+        priced = dict(zip(cells, matrix @ costs, strict=True))
+        machine = dict(zip(cells, measured, strict=True))
+        # How far the priced speed over no speculation is from the machine's, per method and cell.
+        errors = [abs(priced[(key, "none")] / priced[(key, name)] / (machine[(key, "none")] / machine[(key, name)]) - 1)
+                  for key, name in cells if name != "none" and (key, "none") in priced]
+        print(f"{label}: speed over no speculation off the machine's by {100 * np.mean(errors):.1f}% on average, "
+              f"{100 * np.max(errors):.1f}% at most", flush=True)
+    return {name: round(float(value), 5) for name, value in zip(COSTS, costs, strict=True)}
 
 
 def record(path: Path) -> None:
@@ -293,6 +361,8 @@ def main() -> int:
                         help="a lookahead_cache_config.json for ours, as JSON (repeatable; default: {} and "
                         "bench/lookahead.py's tuned config)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "lookahead_replay.json")
+    parser.add_argument("--fit", type=Path, default=None, metavar="LOOKAHEAD_JSON",
+                        help="print the COSTS that best explain this bench/lookahead.py result, and use them")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "bench"))
     args.recorded.parent.mkdir(parents=True, exist_ok=True)
@@ -300,6 +370,9 @@ def main() -> int:
         record(args.recorded)
     recorded = json.loads(args.recorded.read_text())
     logging.disable(logging.INFO)
+    if args.fit is not None:
+        COSTS.update(fit(recorded, args.fit))
+        print(f"costs fitted to {args.fit}: {COSTS}", flush=True)
     from lookahead import LOOKAHEAD_CONFIGS
 
     configs = [json.loads(c) for c in args.config] if args.config else list(LOOKAHEAD_CONFIGS.values())
@@ -336,8 +409,7 @@ def main() -> int:
     summary = {name: round(math.exp(sum(map(math.log, cells.values())) / len(cells)), 3)
                for name, cells in speedups.items()}
     args.out.write_text(json.dumps({"speed_over_none": speedups, "geometric_mean": summary,
-                                    "costs_seconds": {"step": STEP_SECONDS, "speculation_on": SPEC_SECONDS,
-                                                      "drafted_token": TOKEN_SECONDS}}, indent=2))
+                                    "costs_seconds": COSTS}, indent=2))
     for name, cells in speedups.items():
         print(f"{name}: geometric mean {summary[name]}  " + "  ".join(f"{k} {v:.2f}" for k, v in cells.items()))
     print(f"wrote {args.out}")

@@ -21,7 +21,7 @@ SEPARATOR = -1
 # An exact match shorter than this says little about where the text came from: a match that reaches
 # LOOSE_MATCH_MIN tokens back once one differing token is skipped (a list's number, a field's value) is
 # followed instead. Replayed with the tuned config on bench/lookahead.py's recorded outputs (with the
-# preference for the request's own text on one-token matches, below): RAG 4-6% and copying 2-8%
+# preference for the request's own text on one-token matches, below): RAG 3-5% and copying 1-6%
 # faster, template @4 1% slower; a second skipped token changed nothing, and 4 to 6 did alike.
 SHORT_MATCH = 3
 LOOSE_MATCH_MIN = 5
