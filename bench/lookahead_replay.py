@@ -42,9 +42,10 @@ from engine_worker.lookahead.settings import LookaheadSettings  # noqa: E402
 RECORDED = ROOT / "bench" / "results" / "greedy_outputs.json"
 # Seconds per unit of work, fitted by least squares (--fit) to bench/lookahead.py's run of 2026-12-04:
 # 5 methods x 10 cells, float32, eager. With them the replay's speed over no speculation is within 3.9%
-# of that run's on average (8.5% at most, about the machine's own noise); the costs measured step
-# by step before (32 ms a step, 1.5 ms a drafted token, no prefill) were 7.9% off (24% at most), too
-# hopeful wherever long prompts or long drafts make prefill and verification weigh more.
+# of that run's on average (8.5% at most, about the machine's own noise), and within 3.8% (11.2% at
+# most) of a second run's without refitting. The costs measured step by step before (32 ms a step,
+# 1.5 ms a drafted token, no prefill) were 7.9% off (24% at most), too hopeful wherever long prompts
+# or long drafts make prefill and verification weigh more.
 COSTS = {"step_at_1": 0.0253, "step_at_4": 0.0287, "speculation_on": 0.0018, "drafted_token": 0.00124,
          "prompt_token": 0.00118}
 CONCURRENCY = (1, 4)
