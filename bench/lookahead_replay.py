@@ -10,11 +10,11 @@ method must produce. The replay feeds them to each proposer step by step, as vLL
 (requests joining up to the concurrency, a draft accepted up to its first wrong token, plus one),
 counts the work (steps, drafted tokens, prompt tokens) and prices it with COSTS. The speed over no
 speculation is deterministic, so policy changes of a few percent show, where bench/lookahead.py's
-cells move 5-10% between runs. The proposers: ours (the
-real LookaheadProposer, once per --config), vLLM's own NgramProposer, with arctic-inference installed
-the SuffixDecodingCache that vLLM's `suffix` method drives, called as vLLM calls it, and oracles that
-draft the longest true continuation in the text seen so far (anywhere, or where the context's longest
-suffix occurs): ceilings for drafters that copy seen text.
+cells move 5-10% between runs. The proposers: ours (the real LookaheadProposer, once per --config),
+vLLM's own NgramProposer, with arctic-inference installed the SuffixDecodingCache that vLLM's `suffix`
+method drives, called as vLLM calls it, and oracles that draft the longest true continuation in the
+text seen so far (anywhere, or where the context's longest suffix occurs): ceilings for drafters that
+copy seen text.
 A script, not a test; bench/lookahead.py stays the measurement of record.
 """
 
@@ -51,6 +51,7 @@ COSTS = {"step_at_1": 0.0253, "step_at_4": 0.0287, "speculation_on": 0.0018, "dr
 CONCURRENCY = (1, 4)
 REQUESTS = 6
 MAX_TOKENS = 128  # bench/lookahead.py's, and --record's
+MAX_MODEL_LEN = 4096  # bench/lookahead.py's --max-model-len
 
 
 class Proposer(Protocol):
@@ -91,7 +92,7 @@ def ours(config: dict[str, Any], folder: Path) -> Proposer:
     LookaheadSettings(config_dir=str(folder), budget_bytes=1 << 30, vocab_size=49152, eos_token_ids=[2]).export()
     proposer = LookaheadProposer(SimpleNamespace(
         speculative_config=SimpleNamespace(num_speculative_tokens=copy_length),
-        model_config=SimpleNamespace(max_model_len=4096)))
+        model_config=SimpleNamespace(max_model_len=MAX_MODEL_LEN)))
     proposer.bind_runner(SimpleNamespace(input_batch=None, requests={}))
     return proposer
 
@@ -135,7 +136,7 @@ class Ngram:
         spec = SPECULATIVE["ngram"]
         self.k = int(spec["num_speculative_tokens"])
         self.proposer = NgramProposer(SimpleNamespace(  # type: ignore[arg-type]
-            speculative_config=SimpleNamespace(**spec), model_config=SimpleNamespace(max_model_len=4096),
+            speculative_config=SimpleNamespace(**spec), model_config=SimpleNamespace(max_model_len=MAX_MODEL_LEN),
             scheduler_config=SimpleNamespace(max_num_seqs=max(CONCURRENCY)),
             parallel_config=SimpleNamespace(tensor_parallel_size=1)))
         self.runner = SimpleNamespace(input_batch=None, requests={})
@@ -145,7 +146,7 @@ class Ngram:
 
     def propose(self, sampled: list[list[int]], num_tokens: np.ndarray, token_ids: np.ndarray) -> list[list[int]]:
         # vLLM's buffer is max_model_len wide; the replay's is only as wide as the longest row.
-        wide = np.zeros((len(sampled), 4096), dtype=np.int32)
+        wide = np.zeros((len(sampled), MAX_MODEL_LEN), dtype=np.int32)
         wide[:, :token_ids.shape[1]] = token_ids
         return self.proposer.propose(self.k, sampled, num_tokens.astype(np.int32), wide)
 
@@ -312,8 +313,8 @@ def fit(recorded: dict[str, list[dict[str, list[int]]]], machine_run: Path) -> d
                     seconds.append(work.output_tokens / summary[key][name]["tok_s"])
                     cells.append((key, name))
     matrix, measured = np.array(amounts, dtype=float), np.array(seconds)
-    for label, costs in (("before", np.array(list(COSTS.values()))),
-                         ("fitted", np.linalg.lstsq(matrix, measured, rcond=None)[0])):
+    fitted = np.linalg.lstsq(matrix, measured, rcond=None)[0]
+    for label, costs in (("before", np.array(list(COSTS.values()))), ("fitted", fitted)):
         priced = dict(zip(cells, matrix @ costs, strict=True))
         machine = dict(zip(cells, measured, strict=True))
         # How far the priced speed over no speculation is from the machine's, per method and cell.
@@ -321,7 +322,7 @@ def fit(recorded: dict[str, list[dict[str, list[int]]]], machine_run: Path) -> d
                   for key, name in cells if name != "none" and (key, "none") in priced]
         print(f"{label}: speed over no speculation off the machine's by {100 * np.mean(errors):.1f}% on average, "
               f"{100 * np.max(errors):.1f}% at most", flush=True)
-    return {name: round(float(value), 5) for name, value in zip(COSTS, costs, strict=True)}
+    return {name: round(float(value), 5) for name, value in zip(COSTS, fitted, strict=True)}
 
 
 def record(path: Path) -> None:
@@ -332,7 +333,7 @@ def record(path: Path) -> None:
 
     port, grpc_port = free_port(), free_port()
     server = launch([sys.executable, "-m", "taco_llm.cli", "serve", "--port", str(port), "--grpc-port",
-                     str(grpc_port), "--dtype", "float32", "--max-model-len", "4096", "--seed", "0",
+                     str(grpc_port), "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0",
                      "--kv-cache-memory-bytes", "1G"], path.with_suffix(".log"))
     try:
         wait_healthy(f"http://127.0.0.1:{port}/health", [server])
