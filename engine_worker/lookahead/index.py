@@ -100,8 +100,6 @@ class Occurrence:
     matched: int
     weight: float
     local: bool
-    # How far back the match reaches if one differing token is skipped; computed for short matches only.
-    loose: int
 
 
 class Drafter:
@@ -162,14 +160,17 @@ class Drafter:
             while (matched < limit and position - matched - 1 >= 0
                    and tokens[position - matched - 1] == tail[-matched - 1]):
                 matched += 1
-            loose = matched
-            if (matched < min(SHORT_MATCH, limit) and position - matched - 1 >= 0
-                    and tokens[position - matched - 1] != SEPARATOR):
-                loose += 1  # the differing token
-                while (loose < limit and position - loose - 1 >= 0
-                       and tokens[position - loose - 1] == tail[-loose - 1]):
-                    loose += 1
-            out.append(Occurrence(index, position, matched, weight, local, loose))
+            out.append(Occurrence(index, position, matched, weight, local))
+
+    def _loose_match(self, o: Occurrence, tail: array[int]) -> int:
+        """How far back o's match reaches if the one differing token before it is skipped."""
+        tokens, limit, loose = o.index.tokens, min(self.max_match, len(tail)), o.matched
+        if loose < limit and o.position - loose - 1 >= 0 and tokens[o.position - loose - 1] != SEPARATOR:
+            loose += 1  # the differing token
+            while (loose < limit and o.position - loose - 1 >= 0
+                   and tokens[o.position - loose - 1] == tail[-loose - 1]):
+                loose += 1
+        return loose
 
     def find(self, tail: array[int], own: TokenIndex | None,
              live: Sequence[LiveSequence] = ()) -> list[Occurrence]:
@@ -205,10 +206,11 @@ class Drafter:
         if not voters:
             return []
         best = voters[0].matched
-        loose = max(o.loose for o in voters)
-        if best < SHORT_MATCH and loose >= LOOSE_MATCH_MIN:
-            voters = [o for o in voters if o.loose == loose]
-            best = loose
+        # Only a short match looks past a differing token: a long one already says where it came from.
+        loose = [self._loose_match(o, tail) for o in voters] if best < SHORT_MATCH else []
+        if loose and max(loose) >= LOOSE_MATCH_MIN:
+            best = max(loose)
+            voters = [o for o, reach in zip(voters, loose, strict=True) if reach == best]
         else:
             voters = [o for o in voters if o.matched == best]
             if best == 1 and any(o.local for o in voters):
