@@ -132,7 +132,8 @@ def test_cache_size_bounds_the_tokens_held() -> None:
 
 
 def test_a_request_that_keeps_rejecting_drafts_stops_and_tries_again_later() -> None:
-    state = RequestState(own=TokenIndex((2,), 16), num_prompt=0, acceptance=AcceptanceRate())
+    state = RequestState(own=TokenIndex((2,), 16), num_prompt=0, acceptance=AcceptanceRate(),
+                         token_limit=4096)
     prior = 0.5
     rates = []
     for _ in range(6):

@@ -41,8 +41,9 @@ class RequestState:
     own: TokenIndex
     num_prompt: int
     acceptance: AcceptanceRate
-    # The request's token limit, as tokens in all: vLLM verifies every drafted token, even those past it.
-    max_total: int | None = None
+    # The most tokens the request may hold, prompt included: the context length, or sooner its
+    # max_tokens (vLLM verifies every drafted token, even those past that).
+    token_limit: int
     drafted: int = 0
 
     def record_verdict(self, num_sampled: int) -> int:
@@ -180,17 +181,16 @@ class LookaheadProposer:
             num_prompt = int(batch.num_prompt_tokens[row])
             cached = self.runner.requests.get(req_id)
             max_tokens = getattr(getattr(cached, "sampling_params", None), "max_tokens", None)
-            state = RequestState(self.drafter.new_index(), num_prompt, AcceptanceRate(),
-                                 None if max_tokens is None else num_prompt + max_tokens)
+            token_limit = self.max_model_len if max_tokens is None else min(self.max_model_len,
+                                                                            num_prompt + max_tokens)
+            state = RequestState(self.drafter.new_index(), num_prompt, AcceptanceRate(), token_limit)
             self.requests[req_id] = state
         return state
 
     def _draft(self, state: RequestState, num_tokens: int, live: Sequence[LiveSequence],
                min_chance: float) -> list[int]:
         # The step that verifies a draft also samples one token of its own: room for that one too.
-        room = min(self.copy_length, self.max_model_len - num_tokens - 1)
-        if state.max_total is not None:
-            room = min(room, state.max_total - num_tokens - 1)
+        room = min(self.copy_length, state.token_limit - num_tokens - 1)
         if room <= 0:
             return []
         tail = state.own.tokens[-self.drafter.max_match:]
