@@ -174,3 +174,23 @@ def test_the_bar_for_drafting_rises_with_the_batch(tmp_path: Path, monkeypatch: 
     four = {name: [*PROMPT, 13] for name in "bcde"}
     drafts = step(proposer, four, dict.fromkeys(four, len(PROMPT)), {key: [13] for key in four})
     assert all(d == [] for d in drafts.values()), drafts
+
+
+def test_a_worker_whose_drafts_all_failed_drafts_again_once_that_evidence_fades(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Four requests start where drafts lately failed everywhere: none is worth drafting at batch 4, so no
+    # verdicts come in. The rate across requests must still fade back to its prior, or the worker never
+    # drafts again while four requests decode, however well their text repeats.
+    proposer = make_proposer(tmp_path, monkeypatch, confident=False)
+    proposer.global_acceptance.counts = AcceptanceRate(accepted=0.0, rejected=10.0)
+    cycle = list(range(100, 120)) * 20
+    requests = {name: cycle[:41] for name in "abcd"}
+    first_draft_step = None
+    for number in range(300):
+        drafts = step(proposer, requests, dict.fromkeys(requests, 20), {r: [t[-1]] for r, t in requests.items()})
+        if any(drafts.values()):
+            first_draft_step = number
+            break
+        requests = {r: cycle[:len(t) + 1] for r, t in requests.items()}
+    assert first_draft_step is not None, "the worker never drafted again"
+    assert first_draft_step > 10, "drafted at once despite the failures"

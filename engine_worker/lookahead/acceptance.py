@@ -10,8 +10,13 @@ every token before it are accepted is above about 1.5/32: the draft stops there.
 
 The chance per token is the request's recent acceptance rate (accepted tokens against drafts cut short
 by a rejection, the estimate for a geometric run of acceptances) times how strongly the index's
-occurrences agree on that token. Counts decay every step, so a request whose drafts keep failing soon
-stops drafting, and one that stopped tries again a few steps later as the evidence fades.
+occurrences agree on that token. A request with no evidence of its own starts from the rate across all
+requests lately. Counts decay every step, so a request whose drafts keep failing soon stops drafting,
+and one that stopped tries again a few steps later as the evidence fades. The rate across requests
+fades per engine step too, not per verdict: once every request has stopped drafting there are no more
+verdicts, and a rate that faded only with them would stay below the bar for good (a fresh worker whose
+first four requests had their first drafts rejected drafted almost nothing for the rest of its copy
+workload, when replayed).
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ from dataclasses import dataclass
 MIN_WORTHWHILE_CHANCE = 0.06
 STEP_DECAY = 0.85        # per decoding step of the request
 PRIOR_WEIGHT = 0.5       # how many observations the prior counts as
-GLOBAL_DECAY = 0.995     # per verdict, across all requests: the prior for a new request
+# Per engine step, across all requests: the prior for a new request. Replayed on bench/lookahead.py's
+# recorded outputs, 0.95-0.99 all let the rate recover; 0.99 left every cell of the usual run unchanged.
+GLOBAL_STEP_DECAY = 0.99
 FIRST_PRIOR = 0.5
 GLOBAL_PRIOR_WEIGHT = 2.0
 
@@ -55,8 +62,10 @@ class GlobalAcceptance:
         self.counts = AcceptanceRate()
 
     def observe(self, drafted: int, accepted: int) -> None:
-        self.counts.decay(GLOBAL_DECAY)
         self.counts.observe(drafted, accepted)
+
+    def fade(self) -> None:
+        self.counts.decay(GLOBAL_STEP_DECAY)
 
     def rate(self) -> float:
         return self.counts.rate(FIRST_PRIOR, GLOBAL_PRIOR_WEIGHT)

@@ -135,6 +135,7 @@ class LookaheadProposer:
         started = time.perf_counter()
         batch = self.runner.input_batch
         self._drain_inbox(INBOX_TOKENS_PER_STEP)
+        self.global_acceptance.fade()  # even in steps without verdicts: see acceptance.py
         # First every decoding request takes in its new tokens, then each drafts, so that requests
         # running side by side draft from one another's latest output.
         decoding: list[tuple[int, RequestState, int]] = []
