@@ -21,11 +21,13 @@ A script, not a test; bench/lookahead.py stays the measurement of record.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import math
 import sys
 import tempfile
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -137,7 +139,7 @@ class Ngram:
         self.k = int(spec["num_speculative_tokens"])
         self.proposer = NgramProposer(SimpleNamespace(  # type: ignore[arg-type]
             speculative_config=SimpleNamespace(**spec), model_config=SimpleNamespace(max_model_len=MAX_MODEL_LEN),
-            scheduler_config=SimpleNamespace(max_num_seqs=max(CONCURRENCY)),
+            scheduler_config=SimpleNamespace(max_num_seqs=16),  # bench/lookahead.py's --max-num-seqs
             parallel_config=SimpleNamespace(tensor_parallel_size=1)))
         self.runner = SimpleNamespace(input_batch=None, requests={})
 
@@ -355,6 +357,42 @@ def record(path: Path) -> None:
         stop(server)
 
 
+def geometric_mean(values: Iterable[float]) -> float:
+    values = list(values)
+    return math.exp(sum(map(math.log, values)) / len(values))
+
+
+def speed(proposer: Proposer, records: list[dict[str, list[int]]], concurrency: int, tag: str) -> float:
+    """Speed over no speculation of one priced run."""
+    return replay(proposer, records, concurrency, tag) / replay(None, records, concurrency, tag)
+
+
+def scenarios(recorded: dict[str, list[dict[str, list[int]]]],
+              makers: dict[str, Callable[[], Proposer]]) -> dict[str, dict[str, Any]]:
+    """Traffic that bench/lookahead.py's order does not show, each on fresh proposers. `cold`: every cell
+    on a proposer that has seen nothing (a new or restarted worker; in the usual order, @4 cells follow
+    @1 cells of the same workload). `mixed`: every workload's requests interleaved, at concurrency 1, 4
+    and 8 (production traffic is rarely one kind). `after_stories`: the repetitive workloads, all twelve
+    requests each, at concurrency 4 and 8, right after a run of stories, whose drafts mostly fail."""
+    interleaved = [records[i] for i in range(len(CONCURRENCY) * REQUESTS) for records in recorded.values()]
+    repetitive = [name for name in recorded if name != "stories"]
+    results: dict[str, dict[str, Any]] = {}
+    for name, make in makers.items():
+        cold = {f"{workload}@{concurrency}": round(speed(make(), records[level * REQUESTS:(level + 1) * REQUESTS],
+                                                         concurrency, workload), 3)
+                for workload, records in recorded.items() for level, concurrency in enumerate(CONCURRENCY)}
+        mixed = {f"mixed@{c}": round(speed(make(), interleaved, c, "mixed"), 3) for c in (1, 4, 8)}
+        after: list[float] = []
+        for concurrency in (4, 8):
+            proposer = make()
+            if "stories" in recorded:
+                run(proposer, recorded["stories"], concurrency, "stories")
+            after += [speed(proposer, recorded[workload], concurrency, workload) for workload in repetitive]
+        results[name] = {"cold": cold, "cold_geometric_mean": round(geometric_mean(cold.values()), 3), **mixed,
+                         "after_stories_geometric_mean": round(geometric_mean(after), 3)}
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--record", action="store_true", help="record the greedy outputs first")
@@ -379,13 +417,19 @@ def main() -> int:
 
     configs = [json.loads(c) for c in args.config] if args.config else list(LOOKAHEAD_CONFIGS.values())
     with tempfile.TemporaryDirectory() as scratch:
-        proposers: dict[str, Proposer] = {f"ours {json.dumps(c)}": ours(c, Path(scratch) / str(i))
-                                          for i, c in enumerate(configs)}
-        proposers["ngram"] = Ngram()
+        folders = (Path(scratch) / str(i) for i in itertools.count())
+
+        def fresh_ours(config: dict[str, Any]) -> Callable[[], Proposer]:
+            return lambda: ours(config, next(folders))
+
+        makers: dict[str, Callable[[], Proposer]] = {f"ours {json.dumps(c)}": fresh_ours(c) for c in configs}
+        makers["ngram"] = Ngram
         try:
-            proposers["suffix"] = Suffix()
+            Suffix()
+            makers["suffix"] = Suffix
         except ImportError:
             print("suffix skipped: arctic-inference is not installed", flush=True)
+        proposers: dict[str, Proposer] = {name: make() for name, make in makers.items()}
         proposers["oracle, anchored from 2 tokens (ceiling of choosing among the index's branches)"] = Oracle(
             anchored=True)
         proposers["oracle, anywhere (ceiling of copying seen text)"] = Oracle(anchored=False)
@@ -408,12 +452,16 @@ def main() -> int:
                 base = replay(None, cell, concurrency, key)
                 for name, proposer in proposers.items():
                     speedups[name][key] = round(replay(proposer, cell, concurrency, key) / base, 3)
-    summary = {name: round(math.exp(sum(map(math.log, cells.values())) / len(cells)), 3)
-               for name, cells in speedups.items()}
-    args.out.write_text(json.dumps({"speed_over_none": speedups, "geometric_mean": summary,
+        off_bench = scenarios(recorded, makers)
+    summary = {name: round(geometric_mean(cells.values()), 3) for name, cells in speedups.items()}
+    args.out.write_text(json.dumps({"speed_over_none": speedups, "geometric_mean": summary, "scenarios": off_bench,
                                     "costs_seconds": COSTS}, indent=2))
     for name, cells in speedups.items():
         print(f"{name}: geometric mean {summary[name]}  " + "  ".join(f"{k} {v:.2f}" for k, v in cells.items()))
+    for name, figures in off_bench.items():
+        print(f"{name}, off the usual order: cold geometric mean {figures['cold_geometric_mean']} (copy@4 "
+              f"{figures['cold'].get('copy@4')}), mixed@1/4/8 {figures['mixed@1']}/{figures['mixed@4']}/"
+              f"{figures['mixed@8']}, after stories {figures['after_stories_geometric_mean']}")
     print(f"wrote {args.out}")
     return 0
 
