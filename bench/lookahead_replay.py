@@ -27,7 +27,7 @@ import logging
 import math
 import sys
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -38,6 +38,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from engine_worker.lookahead.config import WARMUP_FILE  # noqa: E402
 from engine_worker.lookahead.proposer import LookaheadProposer  # noqa: E402
 from engine_worker.lookahead.settings import LookaheadSettings  # noqa: E402
 
@@ -87,9 +88,11 @@ class InputBatch:
             self.token_ids_cpu[i, :len(tokens)] = tokens
 
 
-def ours(config: dict[str, Any], folder: Path) -> Proposer:
+def ours(config: dict[str, Any], folder: Path, history: Sequence[dict[str, list[int]]] = ()) -> Proposer:
+    """The real proposer; `history` goes in as its warm-up file, as a restart loads the shared index."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "lookahead_cache_config.json").write_text(json.dumps(config))
+    (folder / WARMUP_FILE).write_text(json.dumps(list(history)))
     copy_length = int(config.get("copy_length", 7))
     LookaheadSettings(config_dir=str(folder), budget_bytes=1 << 30, vocab_size=49152, eos_token_ids=[2]).export()
     proposer = LookaheadProposer(SimpleNamespace(
@@ -367,29 +370,46 @@ def speed(proposer: Proposer, records: list[dict[str, list[int]]], concurrency: 
     return replay(proposer, records, concurrency, tag) / replay(None, records, concurrency, tag)
 
 
+History = Sequence[dict[str, list[int]]]
+
+
 def scenarios(recorded: dict[str, list[dict[str, list[int]]]],
-              makers: dict[str, Callable[[], Proposer]]) -> dict[str, dict[str, Any]]:
+              makers: dict[str, Callable[[History], Proposer]]) -> dict[str, dict[str, Any]]:
     """Traffic that bench/lookahead.py's order does not show, each on fresh proposers. `cold`: every cell
-    on a proposer that has seen nothing (a new or restarted worker; in the usual order, @4 cells follow
-    @1 cells of the same workload). `mixed`: every workload's requests interleaved, at concurrency 1, 4
-    and 8 (production traffic is rarely one kind). `after_stories`: the repetitive workloads, all twelve
+    on a proposer that has seen nothing (a new worker; in the usual order, @4 cells follow @1 cells of
+    the same workload). `restarted`: every cell on a worker restarted after serving the workload's other
+    level, which ours finds in its shared index (from Redis) and the peers have lost; compare it with
+    the peers' `cold`. `mixed`: every workload's requests interleaved, at concurrency 1, 4 and 8
+    (production traffic is rarely one kind). `after_stories`: the repetitive workloads, all twelve
     requests each, at concurrency 4 and 8, right after a run of stories, whose drafts mostly fail."""
     interleaved = [records[i] for i in range(len(CONCURRENCY) * REQUESTS) for records in recorded.values()]
     repetitive = [name for name in recorded if name != "stories"]
     results: dict[str, dict[str, Any]] = {}
+
+    def cells(make: Callable[[History], Proposer], restarted: bool) -> dict[str, float]:
+        figures = {}
+        for workload, records in recorded.items():
+            for level, concurrency in enumerate(CONCURRENCY):
+                cell = records[level * REQUESTS:(level + 1) * REQUESTS]
+                history = [r for r in records if r not in cell] if restarted else []
+                figures[f"{workload}@{concurrency}"] = round(speed(make(history), cell, concurrency, workload), 3)
+        return figures
+
     for name, make in makers.items():
-        cold = {f"{workload}@{concurrency}": round(speed(make(), records[level * REQUESTS:(level + 1) * REQUESTS],
-                                                         concurrency, workload), 3)
-                for workload, records in recorded.items() for level, concurrency in enumerate(CONCURRENCY)}
-        mixed = {f"mixed@{c}": round(speed(make(), interleaved, c, "mixed"), 3) for c in (1, 4, 8)}
+        cold = cells(make, restarted=False)
+        mixed = {f"mixed@{c}": round(speed(make([]), interleaved, c, "mixed"), 3) for c in (1, 4, 8)}
         after: list[float] = []
         for concurrency in (4, 8):
-            proposer = make()
+            proposer = make([])
             if "stories" in recorded:
                 run(proposer, recorded["stories"], concurrency, "stories")
             after += [speed(proposer, recorded[workload], concurrency, workload) for workload in repetitive]
         results[name] = {"cold": cold, "cold_geometric_mean": round(geometric_mean(cold.values()), 3), **mixed,
                          "after_stories_geometric_mean": round(geometric_mean(after), 3)}
+        if name.startswith("ours"):
+            restarted = cells(make, restarted=True)
+            results[name] |= {"restarted": restarted,
+                              "restarted_geometric_mean": round(geometric_mean(restarted.values()), 3)}
     return results
 
 
@@ -419,17 +439,17 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as scratch:
         folders = (Path(scratch) / str(i) for i in itertools.count())
 
-        def fresh_ours(config: dict[str, Any]) -> Callable[[], Proposer]:
-            return lambda: ours(config, next(folders))
+        def fresh_ours(config: dict[str, Any]) -> Callable[[History], Proposer]:
+            return lambda history: ours(config, next(folders), history)
 
-        makers: dict[str, Callable[[], Proposer]] = {f"ours {json.dumps(c)}": fresh_ours(c) for c in configs}
-        makers["ngram"] = Ngram
+        makers: dict[str, Callable[[History], Proposer]] = {f"ours {json.dumps(c)}": fresh_ours(c) for c in configs}
+        makers["ngram"] = lambda history: Ngram()  # neither peer keeps anything across a restart
         try:
             Suffix()
-            makers["suffix"] = Suffix
+            makers["suffix"] = lambda history: Suffix()
         except ImportError:
             print("suffix skipped: arctic-inference is not installed", flush=True)
-        proposers: dict[str, Proposer] = {name: make() for name, make in makers.items()}
+        proposers: dict[str, Proposer] = {name: make([]) for name, make in makers.items()}
         proposers["oracle, anchored from 2 tokens (ceiling of choosing among the index's branches)"] = Oracle(
             anchored=True)
         proposers["oracle, anywhere (ceiling of copying seen text)"] = Oracle(anchored=False)
@@ -461,7 +481,13 @@ def main() -> int:
     for name, figures in off_bench.items():
         print(f"{name}, off the usual order: cold geometric mean {figures['cold_geometric_mean']} (copy@4 "
               f"{figures['cold'].get('copy@4')}), mixed@1/4/8 {figures['mixed@1']}/{figures['mixed@4']}/"
-              f"{figures['mixed@8']}, after stories {figures['after_stories_geometric_mean']}")
+              f"{figures['mixed@8']}, after stories {figures['after_stories_geometric_mean']}"
+              + (f", restarted {figures['restarted_geometric_mean']}" if "restarted" in figures else ""))
+    peers = [figures["cold"] for name, figures in off_bench.items() if not name.startswith("ours")]
+    for name, figures in off_bench.items():
+        if "restarted" in figures and peers:
+            print(f"{name}, restarted, over the better peer (restarted too, with nothing kept): " + "  ".join(
+                f"{key} {value / max(p[key] for p in peers):.2f}" for key, value in figures["restarted"].items()))
     print(f"wrote {args.out}")
     return 0
 
