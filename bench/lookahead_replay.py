@@ -14,7 +14,9 @@ cells move 5-10% between runs. The proposers: ours (the real LookaheadProposer, 
 vLLM's own NgramProposer, with arctic-inference installed the SuffixDecodingCache that vLLM's `suffix`
 method drives, called as vLLM calls it, and oracles that draft the longest true continuation in the
 text seen so far (anywhere, or where the context's longest suffix occurs): ceilings for drafters that
-copy seen text.
+copy seen text. Besides bench/lookahead.py's order, ours and the peers are priced off it (scenarios()):
+each cell on a new worker, on a restarted one, all workloads interleaved, and after a run of stories
+(concurrency 8 is priced at concurrency 4's step cost, the nearest fitted).
 A script, not a test; bench/lookahead.py stays the measurement of record.
 """
 
