@@ -393,7 +393,7 @@ def scenarios(recorded: dict[str, list[dict[str, list[int]]]],
         for workload, records in recorded.items():
             for level, concurrency in enumerate(CONCURRENCY):
                 cell = records[level * REQUESTS:(level + 1) * REQUESTS]
-                history = [r for r in records if r not in cell] if restarted else []
+                history = records[:level * REQUESTS] + records[(level + 1) * REQUESTS:] if restarted else []
                 figures[f"{workload}@{concurrency}"] = round(speed(make(history), cell, concurrency, workload), 3)
         return figures
 
