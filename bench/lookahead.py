@@ -249,6 +249,9 @@ def main() -> int:
                         "workload's @4 cell runs on servers that have not seen its @1 cell")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "lookahead.json")
     args = parser.parse_args()
+    levels = tuple(int(level) for level in args.concurrency.split(",") if level.isdigit())
+    if not levels or len(levels) != len(args.concurrency.split(",")) or not set(levels) <= set(CONCURRENCY):
+        parser.error(f"--concurrency: {args.concurrency!r} is not a comma-separated list of {CONCURRENCY}")
     (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
     chosen = args.workloads.split(",")
     loads = {name: levels for name, levels in workloads(args.requests).items() if name in chosen}
@@ -269,7 +272,6 @@ def main() -> int:
             for server in servers:
                 only_this_one(server, servers)
                 asyncio.run(_run(server.base_url, [[{"role": "user", "content": "Hello!"}]], 1, 8))  # warm-up
-            levels = tuple(int(level) for level in args.concurrency.split(","))
             results["methods"] = bench(servers, loads, args.max_tokens, levels)
         finally:
             for server in servers:
