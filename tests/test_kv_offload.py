@@ -96,8 +96,10 @@ class Offload:
 
     def cache_service_pid(self) -> int:
         for child in psutil.Process(self.stack.process.popen.pid).children():
-            if "cache_service" in " ".join(child.cmdline()):
-                return int(child.pid)
+            # A service just killed stays a zombie until serve reaps it: it is no longer the service.
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if "cache_service" in " ".join(child.cmdline()):
+                    return int(child.pid)
         raise AssertionError("serve started no cache service")
 
 
