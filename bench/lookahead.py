@@ -109,12 +109,6 @@ def workloads(requests: int) -> dict[str, list[list[list[dict[str, str]]]]]:
                    for level in range(len(CONCURRENCY))] for name, make in makers.items()}
 
 
-
-
-
-
-
-
 def _metrics(port: int) -> dict[str, float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
         text = reply.read().decode()

@@ -33,12 +33,6 @@ QUESTIONS = [
 ]
 
 
-
-
-
-
-
-
 async def _one(client: openai.AsyncOpenAI, question: str, max_tokens: int) -> dict[str, Any]:
     start = time.perf_counter()
     arrivals: list[float] = []
