@@ -48,7 +48,7 @@ from servers import free_port, pause, resume, stop, wait_healthy
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "SmolLM2-135M-Instruct"
 CONCURRENCY = (1, 4)
-SPECULATIVE = {
+SPECULATIVE: dict[str, dict[str, Any]] = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 5, "prompt_lookup_min": 2},
     "suffix": {"method": "suffix"},
 }
