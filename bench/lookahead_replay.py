@@ -454,6 +454,10 @@ def main() -> int:
         proposers: dict[str, Proposer] = {name: make([]) for name, make in makers.items()}
         proposers["oracle, anchored from 2 tokens (ceiling of choosing among the index's branches)"] = Oracle(
             anchored=True)
+        # The drafting rule, the best continuation of the longest matching suffix, at its best: down
+        # to single-token matches, with no cap on a draft.
+        proposers["oracle, anchored from 1 token (ceiling of the longest matching suffix's branches)"] = Oracle(
+            anchored=True, min_anchor=1)
         proposers["oracle, anywhere (ceiling of copying seen text)"] = Oracle(anchored=False)
         # The anchored ceiling again, within the largest draft budget ours runs with. Between ours and this
         # row lie which branch to follow, how far to follow it, and the price of rejected tokens; the
