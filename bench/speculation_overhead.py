@@ -34,7 +34,7 @@ from servers import stop, wait_healthy
 LEVELS = (1, 16)
 IDLE_CONFIG = {"match_length": 32, "turbo_match_length": 32, "min_match_length": 32, "global_cache_switch": False}
 EXTRA_TOPICS = ["a sleepy volcano", "a glass city", "an honest thief", "a singing well"]
-# Every round and level tells its stories somewhere else, so that no method has seen them before.
+# Every round and level sets its stories somewhere else, so that no story is asked twice (the characters recur).
 SETTINGS = ["in a mountain village", "on a night train", "under the sea", "in a desert town", "on a frozen lake",
             "in a busy market", "on a distant moon", "in an old castle"]
 
@@ -78,7 +78,7 @@ def main() -> int:
             turn = 0
             for round_number in range(args.rounds):
                 for position, concurrency in enumerate(LEVELS):
-                    # At concurrency 1 half the stories: the level then takes about as long as 16's.
+                    # Half as many stories at concurrency 1, where they take longest, to keep the run short.
                     load = stories(SETTINGS[round_number * len(LEVELS) + position], 16 if concurrency > 1 else 8)
                     for server in servers[turn:] + servers[:turn]:
                         bench.only_this_one(server, servers)
