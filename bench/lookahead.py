@@ -243,12 +243,13 @@ def main() -> int:
                         "workload's @4 cell runs on servers that have not seen its @1 cell")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "lookahead.json")
     args = parser.parse_args()
-    levels = tuple(int(level) for level in args.concurrency.split(",") if level.isdigit())
-    if not levels or len(levels) != len(args.concurrency.split(",")) or not set(levels) <= set(CONCURRENCY):
+    parts = args.concurrency.split(",")
+    if not all(part.isdigit() and int(part) in CONCURRENCY for part in parts):
         parser.error(f"--concurrency: {args.concurrency!r} is not a comma-separated list of {CONCURRENCY}")
+    levels = tuple(int(part) for part in parts)
     (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
     chosen = args.workloads.split(",")
-    loads = {name: levels for name, levels in workloads(args.requests).items() if name in chosen}
+    loads = {name: chats_by_level for name, chats_by_level in workloads(args.requests).items() if name in chosen}
     results: dict[str, Any] = {"dtype": args.dtype, "max_tokens": args.max_tokens, "requests": args.requests,
                                "methods": {}, "skipped": {}}
     chosen_methods: list[str] = []

@@ -57,14 +57,14 @@ def main() -> int:
         parser.error("--methods: the ratios need `none` among the methods")
     if not 1 <= args.rounds <= len(SETTINGS) // len(LEVELS):
         parser.error(f"--rounds: from 1 to {len(SETTINGS) // len(LEVELS)}")
-    known = {"none", *bench.LOOKAHEAD_CONFIGS, *bench.SPECULATIVE, "lookahead-idle"}
+    bench.LOOKAHEAD_CONFIGS["lookahead-idle"] = IDLE_CONFIG  # where bench.start_server finds configs
+    known = {"none", *bench.LOOKAHEAD_CONFIGS, *bench.SPECULATIVE}
     if unknown := [m for m in methods if m not in known]:
         parser.error(f"--methods: unknown {unknown}; choose from {sorted(known)}")
     skipped: dict[str, str] = {}
     if "suffix" in methods and importlib.util.find_spec("arctic_inference") is None:
         methods.remove("suffix")
         skipped["suffix"] = "arctic-inference is not installed"
-    bench.LOOKAHEAD_CONFIGS["lookahead-idle"] = IDLE_CONFIG
     (bench.ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {m: {f"@{c}": [] for c in LEVELS} for m in methods}
     with tempfile.TemporaryDirectory() as config_dir:
