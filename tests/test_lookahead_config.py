@@ -31,6 +31,20 @@ def test_defaults_are_taco_llms(tmp_path: Path) -> None:
     assert config.key_lengths() == (7, 2)
 
 
+# Every key of TACO-LLM's documented lookahead_cache_config.json (eos_token_id and max_seq_len set for the
+# bundled model): a TACO-LLM user's file must start here unchanged.
+DOCUMENTED_CONFIG = Path(__file__).parent / "data" / "taco_lookahead_cache_config.json"
+
+
+def test_tacos_documented_config_loads_with_its_values(tmp_path: Path) -> None:
+    documented = json.loads(DOCUMENTED_CONFIG.read_text())
+    config = load_config(write_config(tmp_path, documented))
+    assert set(documented) == set(LookaheadCacheConfig.model_fields), "a documented key is missing or extra"
+    assert config.model_dump() == documented
+    assert config.is_debug is False
+    assert load_config(write_config(tmp_path, {**documented, "is_debug": True})).is_debug is True
+
+
 def test_every_key_without_effect_is_a_known_key() -> None:
     assert set(NO_EFFECT_KEYS) <= set(LookaheadCacheConfig.model_fields)
 
@@ -41,6 +55,8 @@ def test_every_key_without_effect_is_a_known_key() -> None:
     ({"cache_mode": 3}, "cache_mode"),
     ({"decay": 1.5}, "decay: Input should be less than or equal to 1"),
     ({"global_cache_switch": "maybe"}, "global_cache_switch"),
+    ({"is_debug": "yes"}, "is_debug"),
+    ({"is_dbug": True}, "unknown key 'is_dbug'"),
     ({"min_match_length": 9}, "min_match_length (9) exceeds both"),
     ([1, 2], "must hold a JSON object"),
 ])

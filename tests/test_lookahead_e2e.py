@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import time
@@ -425,7 +426,9 @@ def test_serve_starts_a_cache_service_that_keeps_the_index_in_redis(tmp_path: Pa
 
     from .support import start_stack
 
-    (tmp_path / "lookahead_cache_config.json").write_text("{}")
+    # TACO-LLM's documented config file, every key, with its debug log on.
+    documented = json.loads((ROOT / "tests" / "data" / "taco_lookahead_cache_config.json").read_text())
+    (tmp_path / "lookahead_cache_config.json").write_text(json.dumps({**documented, "is_debug": True}))
     server = RedisServer(free_port(), tmp_path / "redis")
     server.start()
     try:
@@ -443,6 +446,8 @@ def test_serve_starts_a_cache_service_that_keeps_the_index_in_redis(tmp_path: Pa
 
             wait_for(published, "the finished request to reach Redis")
             keys.close()
+            log = running.process.log.read_text(errors="replace")
+            assert re.search(r"drafted \d+ of up to \d+ tokens", log), "is_debug wrote no per-draft line"
         finally:
             assert running.process.stop() == 0
     finally:

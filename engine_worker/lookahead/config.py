@@ -44,14 +44,17 @@ class LookaheadCacheConfig(BaseModel):
     token_paths_top_k: int = Field(2, ge=1, le=64, description="candidate continuations compared per draft")
     threshold: float = Field(2.0, ge=0, description="weighted occurrences a short shared match needs")
     decay: float = Field(0.5, ge=0, le=1, description="weight of the older half of the index")
-    global_cache_switch: bool = Field(True, description="share the index across requests")
+    # Booleans are strict: JSON has true and false, and a quoted "false" must not read as true.
+    global_cache_switch: bool = Field(True, strict=True, description="share the index across requests")
+    is_debug: bool = Field(False, strict=True, description="the debug log: one line per draft and per verdict, from the "
+                           "engine process's lookahead loggers")
     eos_token_id: int | list[int] | None = Field(None, description="drafts stop at these tokens")
     log_interval: float = Field(10.0, gt=0, description="seconds between statistics log lines")
     top_k: int = Field(1, ge=1)
     top_k_in_cell: int = Field(16, ge=1)
     start_freq: float = Field(10.0, ge=0)
     num_threads: int = Field(8, ge=1)
-    is_hybrid: bool = True
+    is_hybrid: bool = Field(True, strict=True)
     voc_size: int | None = Field(None, ge=1)
     max_seq_len: int | None = Field(None, ge=1)
     target_parallelism: int | None = Field(None, ge=1, description="no drafting while more requests than "

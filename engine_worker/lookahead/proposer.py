@@ -75,6 +75,10 @@ class LookaheadProposer:
         settings = LookaheadSettings.from_environment()
         self.settings = settings
         self.config = load_config(settings.config_dir)
+        if self.config.is_debug:
+            # TACO-LLM's `is_debug`: the per-draft lines below are logged at DEBUG, off by default because
+            # a busy worker would write several lines per engine step.
+            logging.getLogger(__package__).setLevel(logging.DEBUG)
         spec = vllm_config.speculative_config
         self.copy_length = min(self.config.copy_length, spec.num_speculative_tokens)
         self.max_model_len = vllm_config.model_config.max_model_len
@@ -148,6 +152,7 @@ class LookaheadProposer:
             accepted = state.record_verdict(len(sampled))
             if drafted:
                 self.global_acceptance.observe(drafted, accepted)
+                logger.debug("request %s: %d of %d drafted tokens accepted", batch.req_ids[row], accepted, drafted)
             if accepted:
                 self.stats.accepted_tokens += accepted
                 metrics.accepted_tokens.inc(accepted)
@@ -197,6 +202,9 @@ class LookaheadProposer:
         tail = state.own.tokens[-self.drafter.max_match:]
         chance = state.acceptance.rate(self.global_acceptance.rate(), PRIOR_WEIGHT)
         draft = self.drafter.draft(tail, state.own, room, live, chance, min_chance)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("request at %d tokens: drafted %d of up to %d tokens (chance per token %.2f, bar %.2f)",
+                         num_tokens, len(draft), room, chance, min_chance)
         if draft:
             state.drafted = len(draft)
             self.stats.drafts += 1
