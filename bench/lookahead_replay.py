@@ -99,7 +99,8 @@ def ours(config: dict[str, Any], folder: Path, history: Sequence[dict[str, list[
     LookaheadSettings(config_dir=str(folder), budget_bytes=1 << 30, vocab_size=49152, eos_token_ids=[2]).export()
     proposer = LookaheadProposer(SimpleNamespace(
         speculative_config=SimpleNamespace(num_speculative_tokens=copy_length),
-        model_config=SimpleNamespace(max_model_len=MAX_MODEL_LEN)))
+        model_config=SimpleNamespace(max_model_len=MAX_MODEL_LEN),
+        device_config=SimpleNamespace(device_type="cpu")))  # the costs fitted here are the CPU's
     proposer.bind_runner(SimpleNamespace(input_batch=None, requests={}))
     return proposer
 

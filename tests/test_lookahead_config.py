@@ -9,6 +9,7 @@ import pytest
 
 from engine_worker.lookahead.config import (
     CONFIG_FILE,
+    EXTENSION_KEYS,
     NO_EFFECT_KEYS,
     WARMUP_FILE,
     ConfigError,
@@ -39,8 +40,8 @@ DOCUMENTED_CONFIG = Path(__file__).parent / "data" / "taco_lookahead_cache_confi
 def test_tacos_documented_config_loads_with_its_values(tmp_path: Path) -> None:
     documented = json.loads(DOCUMENTED_CONFIG.read_text())
     config = load_config(write_config(tmp_path, documented))
-    assert set(documented) == set(LookaheadCacheConfig.model_fields), "a documented key is missing or extra"
-    assert config.model_dump() == documented
+    assert set(documented) == set(LookaheadCacheConfig.model_fields) - EXTENSION_KEYS, "a documented key is missing"
+    assert config.model_dump(exclude=set(EXTENSION_KEYS)) == documented
     assert config.is_debug is False
     assert load_config(write_config(tmp_path, {**documented, "is_debug": True})).is_debug is True
 
@@ -56,6 +57,7 @@ def test_every_key_without_effect_is_a_known_key() -> None:
     ({"decay": 1.5}, "decay: Input should be less than or equal to 1"),
     ({"global_cache_switch": "maybe"}, "global_cache_switch"),
     ({"is_debug": "yes"}, "is_debug"),
+    ({"draft_token_cost": 0}, "draft_token_cost: Input should be greater than 0"),
     ({"is_dbug": True}, "unknown key 'is_dbug'"),
     ({"min_match_length": 9}, "min_match_length (9) exceeds both"),
     ([1, 2], "must hold a JSON object"),
@@ -88,3 +90,13 @@ def test_warmup_records_are_checked_against_the_vocabulary(tmp_path: Path) -> No
     (tmp_path / WARMUP_FILE).write_text(json.dumps([{"prompt": "hello"}]))
     with pytest.raises(ConfigError, match="record 0: prompt"):
         load_warmup(tmp_path, 100)
+
+
+def test_the_draft_token_cost_defaults_by_device_and_the_config_overrides_it(tmp_path: Path) -> None:
+    from engine_worker.lookahead.acceptance import DRAFT_TOKEN_COST_BY_DEVICE, draft_token_cost
+
+    assert draft_token_cost("cpu") == DRAFT_TOKEN_COST_BY_DEVICE["cpu"]
+    assert draft_token_cost("cuda") == DRAFT_TOKEN_COST_BY_DEVICE["cuda"] < draft_token_cost("cpu")
+    assert draft_token_cost("xpu") == draft_token_cost("cpu"), "an unmeasured device takes the cautious figure"
+    config = load_config(write_config(tmp_path, {"draft_token_cost": 0.02}))
+    assert draft_token_cost("cuda", config.draft_token_cost) == 0.02

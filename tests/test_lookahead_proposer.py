@@ -35,7 +35,8 @@ def make_proposer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, confident: bo
     monkeypatch.setenv("TACO_LLM_LOOKAHEAD_SETTINGS", "")
     LookaheadSettings(config_dir=str(tmp_path), budget_bytes=1 << 28, vocab_size=1000, **settings).export()
     config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=7),
-                             model_config=SimpleNamespace(max_model_len=256))
+                             model_config=SimpleNamespace(max_model_len=256),
+                             device_config=SimpleNamespace(device_type="cpu"))
     proposer = LookaheadProposer(config)
     proposer.bind_runner(SimpleNamespace(input_batch=None, requests={}))
     if confident:

@@ -1,12 +1,11 @@
 """How long a draft is worth drafting: an estimate of the chance that each drafted token is accepted.
 
-A drafted token costs compute in the verify pass whether or not it is accepted; an accepted one saves a
-whole engine step. Measured on these 2-core CPUs with the bundled model (float32, eager), with a
-proposer whose drafts are always rejected (median of three runs of 200 steps): a step costs about 32 ms
-at batch 1 and 33-38 ms at batch 4, and drafted tokens add about 1-1.5 ms each (batch 1: 33 ms with
-speculation on and no drafts, 41 ms with 8 drafted tokens, 54 with 16; batch 4: 38 ms, 84 ms with 32
-drafted tokens, 150 with 64). So the i-th token of a draft pays for itself when the chance that it and
-every token before it are accepted is above about 1.5/32: the draft stops there.
+The rule: a drafted token costs compute in the verify pass whether or not it is accepted; an accepted
+one saves a whole engine step. So the i-th token of a draft pays for itself when the chance that it
+and every token before it are accepted exceeds (a drafted token's cost / a step's cost), and at batch
+B an accepted token saves only its own request's share of the step: the bar is that ratio times B.
+The ratio is the platform's (`draft_token_cost` below); the measurements behind each default are in
+docs/benchmarks.md ("What a drafted token costs").
 
 The chance per token is the request's recent acceptance rate (accepted tokens against drafts cut short
 by a rejection, the estimate for a geometric run of acceptances) times how strongly the index's
@@ -14,26 +13,33 @@ occurrences agree on that token. A request with no evidence of its own starts fr
 requests lately. Counts decay every step, so a request whose drafts keep failing soon stops drafting,
 and one that stopped tries again a few steps later as the evidence fades. The rate across requests
 fades per engine step too, not per verdict: once every request has stopped drafting there are no more
-verdicts, and a rate that faded only with them would stay below the bar for good (a fresh worker whose
-first four requests had their first drafts rejected drafted almost nothing for the rest of its copy
-workload, when replayed).
+verdicts, and a rate that faded only with them would stay below the bar for good.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# A drafted token's cost over a step's (1.5 ms / 32 ms, above), rounded up: the least cumulative chance
-# of acceptance at which a draft goes on at batch 1 (the proposer multiplies it by the batch).
-MIN_WORTHWHILE_CHANCE = 0.06
+# A drafted token's cost as a share of one decoding step at batch 1, by vLLM device type. The cost of
+# verifying a few more tokens is compute, while a step at small batch is bound by reading the weights:
+# on a CPU compute is scarce and a token costs a visible share; on a GPU it is nearly free. Platforms
+# not listed take the CPU's figure, the cautious side (a draft stops sooner, never slower than none).
+DRAFT_TOKEN_COST_BY_DEVICE = {"cpu": 0.06, "cuda": 0.01}
 STEP_DECAY = 0.85        # per decoding step of the request
 PRIOR_WEIGHT = 0.5       # how many observations the prior counts as
-# Per engine step, across all requests: the prior for a new request. Replayed on bench/lookahead.py's
-# recorded outputs, 0.95-0.99 all let the rate recover; 0.99 left the usual run's geometric mean as it
-# was (each cell within 0.02).
+# Per engine step, across all requests: the prior for a new request (chosen on the replay,
+# docs/benchmarks.md).
 GLOBAL_STEP_DECAY = 0.99
 FIRST_PRIOR = 0.5
 GLOBAL_PRIOR_WEIGHT = 2.0
+
+
+def draft_token_cost(device_type: str, configured: float | None = None) -> float:
+    """The least cumulative chance of acceptance at which a draft goes on at batch 1: the config's
+    `draft_token_cost` where set, else the device type's default."""
+    if configured is not None:
+        return configured
+    return DRAFT_TOKEN_COST_BY_DEVICE.get(device_type, DRAFT_TOKEN_COST_BY_DEVICE["cpu"])
 
 
 @dataclass(slots=True)

@@ -27,6 +27,10 @@ class ConfigError(ValueError):
     """A config or warm-up file that cannot be used; the message names the file and key."""
 
 
+# Keys of ours beyond TACO-LLM's documented ones.
+EXTENSION_KEYS = frozenset({"draft_token_cost"})
+
+
 class LookaheadCacheConfig(BaseModel):
     """Defaults are TACO-LLM's documented ones."""
 
@@ -46,8 +50,8 @@ class LookaheadCacheConfig(BaseModel):
     decay: float = Field(0.5, ge=0, le=1, description="weight of the older half of the index")
     # Booleans are strict: JSON has true and false, and a quoted "false" must not read as true.
     global_cache_switch: bool = Field(True, strict=True, description="share the index across requests")
-    is_debug: bool = Field(False, strict=True, description="the debug log: one line per draft and per verdict, from the "
-                           "engine process's lookahead loggers")
+    is_debug: bool = Field(False, strict=True, description="the debug log: one line per draft and per "
+                           "verdict, from the engine process's lookahead loggers")
     eos_token_id: int | list[int] | None = Field(None, description="drafts stop at these tokens")
     log_interval: float = Field(10.0, gt=0, description="seconds between statistics log lines")
     top_k: int = Field(1, ge=1)
@@ -59,6 +63,10 @@ class LookaheadCacheConfig(BaseModel):
     max_seq_len: int | None = Field(None, ge=1)
     target_parallelism: int | None = Field(None, ge=1, description="no drafting while more requests than "
                                            "this decode (default 8)")
+    # Not one of TACO-LLM's keys: ours, for a platform whose cost ratio differs from the defaults.
+    draft_token_cost: float | None = Field(None, gt=0, lt=1, description="a drafted token's cost as a share "
+                                           "of a decoding step at batch 1 (default by device: cpu 0.06, "
+                                           "cuda 0.01)")
 
     @model_validator(mode="after")
     def _lengths_agree(self) -> LookaheadCacheConfig:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from . import metrics
-from .acceptance import MIN_WORTHWHILE_CHANCE, PRIOR_WEIGHT, STEP_DECAY, AcceptanceRate, GlobalAcceptance
+from .acceptance import PRIOR_WEIGHT, STEP_DECAY, AcceptanceRate, GlobalAcceptance, draft_token_cost
 from .config import load_config, load_warmup
 from .index import Drafter, LiveSequence, TokenIndex
 from .settings import LookaheadSettings
@@ -83,6 +83,11 @@ class LookaheadProposer:
         self.copy_length = min(self.config.copy_length, spec.num_speculative_tokens)
         self.max_model_len = vllm_config.model_config.max_model_len
         self.max_parallel = self.config.target_parallelism or DEFAULT_TARGET_PARALLELISM
+        self.device_type = str(vllm_config.device_config.device_type)
+        self.draft_token_cost = draft_token_cost(self.device_type, self.config.draft_token_cost)
+        logger.info("lookahead cache: a drafted token costs %.3f of a step (%s)", self.draft_token_cost,
+                    "draft_token_cost in the config" if self.config.draft_token_cost is not None
+                    else f"the {self.device_type} default")
         config = self.config
         if settings.eos_token_ids and config.eos_token_id is None:
             config = config.model_copy(update={"eos_token_id": settings.eos_token_ids})
@@ -166,7 +171,7 @@ class LookaheadProposer:
                     for _, state, _ in decoding] if self.config.global_cache_switch else []
             # A drafted token costs the same at any batch size, but an accepted one saves only its own
             # request's share of a step: the bar rises with the number of requests decoding.
-            min_chance = MIN_WORTHWHILE_CHANCE * len(decoding)
+            min_chance = self.draft_token_cost * len(decoding)
             for position, (row, state, num_tokens) in enumerate(decoding):
                 others = live[:position] + live[position + 1:]
                 drafts[row] = self._draft(state, num_tokens, others, min_chance)
