@@ -4,6 +4,7 @@ stand-in for the runner's input batch (the end-to-end tests run it inside the re
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -195,3 +196,25 @@ def test_a_worker_whose_drafts_all_failed_drafts_again_once_that_evidence_fades(
         requests = {r: cycle[:len(t) + 1] for r, t in requests.items()}
     assert first_draft_step is not None, "the worker never drafted again"
     assert first_draft_step > 10, "drafted at once despite the failures"
+
+
+def test_close_ends_the_gauge_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    proposer = make_proposer(tmp_path, monkeypatch)
+    assert proposer._gauges.is_alive()
+    proposer.close()
+    assert not proposer._gauges.is_alive(), "the gauge thread outlived close()"
+
+
+def test_the_debug_log_names_each_draft_and_verdict(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    proposer = make_proposer(tmp_path, monkeypatch, config={"is_debug": True})
+    try:
+        prompt = PROMPT
+        with caplog.at_level(logging.DEBUG, logger="engine_worker.lookahead"):
+            drafts = step(proposer, {"a": prompt}, {"a": len(prompt)}, {"a": [prompt[-1]]})
+            step(proposer, {"a": [*prompt, *drafts["a"][:1]]}, {"a": len(prompt)}, {"a": drafts["a"][:2]})
+        assert drafts["a"], "the repeated prompt gave nothing to draft"
+        assert any("drafted" in r.getMessage() and "of up to" in r.getMessage() for r in caplog.records)
+        assert any("drafted tokens accepted" in r.getMessage() for r in caplog.records)
+    finally:
+        proposer.close()

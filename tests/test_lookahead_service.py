@@ -161,3 +161,21 @@ def test_a_worker_keeps_what_it_could_not_publish_while_redis_was_down(service: 
     finally:
         sync.stop()
         reader.stop()
+
+
+def test_stopping_a_sync_publishes_what_waits_and_ends_its_threads(service: str) -> None:
+    sync = IndexSync(service, "model-f:1", "worker-4")
+    reader = IndexSync(service, "model-f:1", "reader")
+    sync.start()
+    try:
+        assert sync.caught_up.wait(20)
+        for n in range(50):
+            sync.publish([n], [n + 1, n + 2])
+        sync.stop()  # at once: the last outputs of a worker that shuts down must still reach the index
+        assert sync.published == 50, f"only {sync.published} of 50 sequences published before stopping"
+        assert not any(thread.is_alive() for thread in sync._threads), "a sync thread outlived stop()"
+        reader.start()
+        wait_for(lambda: len(reader.inbox) == 50)
+    finally:
+        sync.stop()
+        reader.stop()

@@ -103,7 +103,9 @@ class LookaheadProposer:
             self.sync = IndexSync(settings.cache_service, settings.namespace, f"worker-{uuid.uuid4().hex[:12]}")
             self.sync.start()
             self._load_shared_backlog()
-        threading.Thread(target=self._refresh_gauges_forever, name="lookahead-gauges", daemon=True).start()
+        self._closing = threading.Event()
+        self._gauges = threading.Thread(target=self._refresh_gauges_forever, name="lookahead-gauges", daemon=True)
+        self._gauges.start()
 
     # --- start-up -------------------------------------------------------------------------------
 
@@ -261,9 +263,16 @@ class LookaheadProposer:
 
     def _refresh_gauges_forever(self) -> None:
         # Its own thread: the gauges (sync state above all) stay current while the engine is idle.
-        while True:
+        while not self._closing.is_set():
             self._publish_gauges()
-            time.sleep(GAUGE_INTERVAL_SECONDS)
+            self._closing.wait(GAUGE_INTERVAL_SECONDS)
+
+    def close(self) -> None:
+        """Stops the gauge thread and the index sync; called when vLLM shuts its worker down."""
+        self._closing.set()
+        self._gauges.join(2 * GAUGE_INTERVAL_SECONDS)
+        if self.sync is not None:
+            self.sync.stop()
 
     def _maybe_log(self) -> None:
         now = time.monotonic()

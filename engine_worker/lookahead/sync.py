@@ -57,9 +57,17 @@ class IndexSync:
         for thread in self._threads:
             thread.start()
 
-    def stop(self) -> None:
+    def stop(self, flush_seconds: float = 2.0) -> None:
+        """Gives sequences still waiting to be published a moment to go (a clean shutdown should not
+        lose the last requests' outputs), then ends both threads."""
+        deadline = time.monotonic() + flush_seconds
+        while self.connected and self.pending() and time.monotonic() < deadline:
+            time.sleep(0.05)
         self._stopping.set()
         self._channel.close()
+        for thread in self._threads:
+            if thread.is_alive():
+                thread.join(1.0)
 
     def publish(self, prompt: list[int], output: list[int]) -> None:
         record = lookahead_pb2.Record(prompt=prompt, output=output, origin=self.origin, created_unix=time.time())
