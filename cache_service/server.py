@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -30,17 +30,25 @@ class Servicer:
 
     name: str
     add_to_server: Callable[[grpc.aio.Server], None]
+    # Releases what the servicer holds (window file descriptors, Redis connections) once the server
+    # has stopped taking calls.
+    close: Callable[[], Awaitable[None]]
 
 
 def servicers(config: CacheServiceConfig) -> list[Servicer]:
     """Every service of the cache service, in one place. Each gets the whole config."""
     kv = KVBlockStoreServicer(config)
     lookahead = LookaheadIndexServicer(config.redis_url)
+
+    async def close_kv() -> None:
+        kv.windows.close()
+
     return [
         Servicer(kv_cache_pb2.DESCRIPTOR.services_by_name["KVBlockStore"].full_name,
-                 lambda server: kv_cache_pb2_grpc.add_KVBlockStoreServicer_to_server(kv, server)),
+                 lambda server: kv_cache_pb2_grpc.add_KVBlockStoreServicer_to_server(kv, server), close_kv),
         Servicer(lookahead_pb2.DESCRIPTOR.services_by_name["LookaheadIndex"].full_name,
-                 lambda server: lookahead_pb2_grpc.add_LookaheadIndexServicer_to_server(lookahead, server)),
+                 lambda server: lookahead_pb2_grpc.add_LookaheadIndexServicer_to_server(lookahead, server),
+                 lookahead.close),
     ]
 
 
@@ -73,4 +81,6 @@ async def serve(config: CacheServiceConfig, stop: asyncio.Event) -> int:
     logger.info("shutting down")
     await health_service.enter_graceful_shutdown()
     await server.stop(SHUTDOWN_GRACE_SECONDS)
+    for servicer in offered:
+        await servicer.close()
     return 0
