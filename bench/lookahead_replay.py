@@ -139,7 +139,7 @@ class Ngram:
 
     def __init__(self) -> None:
         from lookahead import SPECULATIVE
-        from vllm.v1.spec_decode.ngram_proposer import NgramProposer
+        from engine_worker.vllm_internals import NgramProposer
 
         spec = SPECULATIVE["ngram"]
         self.k = int(spec["num_speculative_tokens"])

@@ -9,13 +9,13 @@ from dataclasses import dataclass
 
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.platforms import current_platform
-from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from . import frontend_args
 from .frontend_args import FrontendOptions
 from .kv_offload.args import add_offload_args, apply_offload_args
 from .lookahead.args import WORKER_CLASS as SPECULATIVE_WORKER_CLASS
 from .lookahead.args import LookaheadOptions, add_lookahead_args, lookahead_options
+from .vllm_internals import FlexibleArgumentParser
 
 logger = logging.getLogger(__name__)
 

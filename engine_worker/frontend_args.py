@@ -11,13 +11,11 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm.entrypoints.launchers.cli_args import LoRAParserAction
-from vllm.entrypoints.openai.models.protocol import LoRAModulePath
 from vllm.exceptions import VLLMValidationError
-from vllm.renderers.chat_utils import load_chat_template
 
 from .lora import LoraProblem, check_adapter
-from .tools import ToolParserProblem, tool_parser_class, tool_parser_names
+from .tools import ToolParserProblem, tool_parser_class
+from .vllm_internals import LoRAModulePath, LoRAParserAction, load_chat_template, tool_parser_names
 
 
 @dataclass

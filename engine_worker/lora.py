@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from vllm.entrypoints.openai.models.protocol import LoRAModulePath
 from vllm.lora.request import LoRARequest
 
 from protos import engine_pb2
+
+from .vllm_internals import LoRAModulePath
 
 
 class LoraProblem(ValueError):

@@ -10,8 +10,8 @@ get a distorted distribution with any speculative method (vLLM's ngram and suffi
 promise that speculation is lossless.
 
 `apply()` checks vLLM's expansion on a float tensor and, only if it is wrong, registers a plain-torch
-expansion with `vllm.triton_utils.dispatcher.register_kernels`, the API vLLM provides for platforms to
-replace its Triton kernels. A vLLM that fixes the kernel passes the check and keeps its own.
+expansion with vLLM's `register_kernels` (engine_worker/vllm_internals.py), the hook vLLM provides for
+platforms to replace its Triton kernels. A vLLM that fixes the kernel passes the check and keeps its own.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import logging
 
 import torch
 
-logger = logging.getLogger(__name__)
+from .vllm_internals import EXPAND_KERNEL, expand_batch_to_tokens, register_kernels
 
-EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
+logger = logging.getLogger(__name__)
 
 
 def expand_per_token(output: torch.Tensor, input: torch.Tensor, cu_num_tokens: torch.Tensor,
@@ -36,8 +36,6 @@ def expand_per_token(output: torch.Tensor, input: torch.Tensor, cu_num_tokens: t
 
 
 def expansion_is_correct() -> bool:
-    from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
-
     temperatures = torch.tensor([0.7, 1.3, 0.0], dtype=torch.float32)
     cu_num_tokens = torch.tensor([2, 2, 5], dtype=torch.int32)
     expanded = expand_batch_to_tokens(temperatures, cu_num_tokens, 5, replace_from=0, replace_to=1)
@@ -52,8 +50,6 @@ def apply() -> bool:
     # runs (and would refuse the check's CPU tensors).
     if not current_platform.is_cpu() or expansion_is_correct():
         return False
-    from vllm.triton_utils.dispatcher import register_kernels
-
     register_kernels({EXPAND_KERNEL: expand_per_token})
     if not expansion_is_correct():
         raise RuntimeError(f"could not correct {EXPAND_KERNEL}: speculative decoding of sampled requests "

@@ -16,7 +16,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import multiprocess
 from vllm.v1.engine.async_llm import AsyncLLM
-from vllm.v1.metrics.prometheus import get_prometheus_registry
 
 from protos import engine_pb2, engine_pb2_grpc
 
@@ -26,6 +25,7 @@ from .engine import resolve_default_model, start_engine
 from .lookahead.args import configure_lookahead
 from .lookahead.config import ConfigError
 from .service import EngineService
+from .vllm_internals import get_prometheus_registry
 
 logger = logging.getLogger(__name__)
 

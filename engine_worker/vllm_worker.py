@@ -11,18 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm.platforms import current_platform
-
 from . import sampling_fix
 from .lookahead.proposer import LookaheadProposer
-
-if current_platform.is_cpu():
-    from vllm.v1.worker.cpu_worker import CPUWorker as _PlatformWorker
-else:
-    from vllm.v1.worker.gpu_worker import Worker as _PlatformWorker  # type: ignore[assignment]
+from .vllm_internals import PlatformWorker, finished_request_ids, runner_drafter
 
 
-class TacoWorker(_PlatformWorker):
+class TacoWorker(PlatformWorker):
     lookahead: LookaheadProposer | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -33,7 +27,7 @@ class TacoWorker(_PlatformWorker):
 
     def init_device(self) -> Any:
         result = super().init_device()
-        drafter = getattr(self.model_runner, "drafter", None)
+        drafter = runner_drafter(self.model_runner)
         if isinstance(drafter, LookaheadProposer):
             drafter.bind_runner(self.model_runner)
             self.lookahead = drafter
@@ -42,6 +36,12 @@ class TacoWorker(_PlatformWorker):
     def execute_model(self, scheduler_output: Any) -> Any:
         # The step after a request ends carries its id even when nothing else runs, so a request's
         # sequence joins the shared index at once, not when the next request arrives.
-        if self.lookahead is not None and scheduler_output.finished_req_ids:
-            self.lookahead.finish(scheduler_output.finished_req_ids)
+        if self.lookahead is not None and (finished := finished_request_ids(scheduler_output)):
+            self.lookahead.finish(finished)
         return super().execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        # vLLM's hook as the engine stops: the proposer's threads end and its last sequences are published.
+        if self.lookahead is not None:
+            self.lookahead.close()
+        super().shutdown()

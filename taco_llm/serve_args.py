@@ -61,6 +61,12 @@ def _dest(flag: Flag) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    return _parser_and_flags()[0]
+
+
+def _parser_and_flags() -> tuple[argparse.ArgumentParser, frozenset[str]]:
+    """The parser, and every option string it takes. argparse has no public listing of them, so they are
+    collected from the Actions add_argument returns, plus argparse's own -h/--help."""
     parser = argparse.ArgumentParser(
         prog="taco_llm serve",
         usage=SERVE_USAGE,
@@ -69,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         "vLLM 0.32 not listed here is handed to the engine worker too: see `taco_llm worker -h`. "
         "docs/flags.md says what each TACO-LLM flag does here.",
     )
+    actions: list[argparse.Action] = []
     for flag in FLAGS:
         names = [flag.name, *([flag.short] if flag.short else [])]
         kwargs: dict[str, Any] = {"dest": _dest(flag), "default": argparse.SUPPRESS, "help": flag.help}
@@ -81,21 +88,24 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs["const"] = True
         elif flag.arity == "append":
             kwargs["action"] = "append"
-        parser.add_argument(*names, **kwargs)
+        actions.append(parser.add_argument(*names, **kwargs))
     serve = parser.add_argument_group("taco_llm serve")
-    serve.add_argument("--grpc-host", default="127.0.0.1", help="where the engine worker's gRPC service listens")
-    serve.add_argument("--grpc-port", type=int, default=50051, help="the engine worker's gRPC port")
-    serve.add_argument("--cache-service", default=None, metavar="HOST:PORT",
-                       help="a running cache service (taco_llm cache-service) for the worker; with "
-                       "--enable-prefix-cache-offload and none given, serve starts one")
-    serve.add_argument("--redis-url", default=None, metavar="URL",
-                       help="Redis for the Lookahead Cache's shared index (e.g. redis://127.0.0.1:6379/0): serve "
-                       "starts a cache service with it, so that the index outlives restarts")
-    serve.add_argument("--cache-service-port", type=int, default=50052,
-                       help="the port of the cache service serve starts")
-    serve.add_argument("--ready-timeout", type=float, default=900.0,
-                       help="seconds to wait for the engine to become ready before giving up")
-    return parser
+    actions += [
+        serve.add_argument("--grpc-host", default="127.0.0.1", help="where the engine worker's gRPC service listens"),
+        serve.add_argument("--grpc-port", type=int, default=50051, help="the engine worker's gRPC port"),
+        serve.add_argument("--cache-service", default=None, metavar="HOST:PORT",
+                           help="a running cache service (taco_llm cache-service) for the worker; with "
+                           "--enable-prefix-cache-offload and none given, serve starts one"),
+        serve.add_argument("--redis-url", default=None, metavar="URL",
+                           help="Redis for the Lookahead Cache's shared index (e.g. redis://127.0.0.1:6379/0): "
+                           "serve starts a cache service with it, so that the index outlives restarts"),
+        serve.add_argument("--cache-service-port", type=int, default=50052,
+                           help="the port of the cache service serve starts"),
+        serve.add_argument("--ready-timeout", type=float, default=900.0,
+                           help="seconds to wait for the engine to become ready before giving up"),
+    ]
+    flags = {"-h", "--help", *(name for action in actions for name in action.option_strings)}
+    return parser, frozenset(flags)
 
 
 def _emit(flag: Flag, value: Any) -> list[str]:
@@ -183,7 +193,8 @@ _JSON_VALUED = frozenset({"--allowed-origins", "--allowed-methods", "--allowed-h
 
 
 _LIST_WORKER_FLAGS = ("import json; from engine_worker.args import build_parser; "
-                      "print(json.dumps(sorted(build_parser()._option_string_actions)))")
+                      "from engine_worker.vllm_internals import option_strings; "
+                      "print(json.dumps(sorted(option_strings(build_parser()))))")
 
 
 @functools.cache
@@ -199,7 +210,7 @@ def _worker_flag_names() -> frozenset[str]:
 
 
 def _with_config_file(argv: list[str]) -> list[str]:
-    serve_flags = set(build_parser()._option_string_actions)
+    serve_flags = _parser_and_flags()[1]
 
     def is_flag(name: str) -> bool:
         return name in serve_flags or name in _worker_flag_names()

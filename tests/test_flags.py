@@ -43,16 +43,18 @@ def test_docs_table_has_a_row_for_every_flag() -> None:
 
 def test_passed_flags_exist_in_vllm() -> None:
     from engine_worker.args import build_parser
+    from engine_worker.vllm_internals import option_strings
 
-    known = build_parser()._option_string_actions
+    known = option_strings(build_parser())
     missing = [f.name for f in FLAGS if f.kind == "pass" and f.name not in known]
     assert not missing, f"vLLM 0.32 has no {missing}"
 
 
 def test_acceleration_flags_reach_flags_the_worker_has() -> None:
     from engine_worker.args import build_parser
+    from engine_worker.vllm_internals import option_strings
 
-    known = build_parser()._option_string_actions
+    known = option_strings(build_parser())
     missing = [f.name for f in FLAGS if f.kind == "taco" and f.name not in known]
     assert not missing, f"taco_llm worker has no {missing}"
 

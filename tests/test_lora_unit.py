@@ -36,7 +36,7 @@ def test_check_adapter(tmp_path: Path) -> None:
 
 
 def test_registry_names_and_ids(tmp_path: Path) -> None:
-    from vllm.entrypoints.openai.models.protocol import LoRAModulePath
+    from engine_worker.vllm_internals import LoRAModulePath
 
     registry = LoraRegistry([LoRAModulePath("a", str(tmp_path / "a")),
                              LoRAModulePath("b", str(tmp_path / "b"), base_model_name="other")], "base")

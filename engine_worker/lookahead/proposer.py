@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from ..vllm_internals import batch_prompt_length, batch_request_ids, runner_max_tokens, runner_request_ids
 from . import metrics
 from .acceptance import PRIOR_WEIGHT, STEP_DECAY, AcceptanceRate, GlobalAcceptance, draft_token_cost
 from .config import load_config, load_warmup
@@ -144,7 +145,7 @@ class LookaheadProposer:
             raise RuntimeError("the lookahead proposer needs the worker class "
                                "engine_worker.vllm_worker.TacoWorker (taco_llm worker sets it)")
         started = time.perf_counter()
-        batch = self.runner.input_batch
+        request_ids = batch_request_ids(self.runner)
         self._drain_inbox(INBOX_TOKENS_PER_STEP)
         self.global_acceptance.fade()  # even in steps without verdicts: see acceptance.py
         # First every decoding request takes in its new tokens, then each drafts, so that requests
@@ -153,13 +154,13 @@ class LookaheadProposer:
         for row, sampled in enumerate(sampled_token_ids):
             if not sampled:  # a prefill chunk: nothing to verify yet
                 continue
-            state = self._state(batch.req_ids[row], row, batch)
+            state = self._state(request_ids[row], row)
             num_tokens = int(num_tokens_no_spec[row])
             drafted = state.drafted
             accepted = state.record_verdict(len(sampled))
             if drafted:
                 self.global_acceptance.observe(drafted, accepted)
-                logger.debug("request %s: %d of %d drafted tokens accepted", batch.req_ids[row], accepted, drafted)
+                logger.debug("request %s: %d of %d drafted tokens accepted", request_ids[row], accepted, drafted)
             if accepted:
                 self.stats.accepted_tokens += accepted
                 metrics.accepted_tokens.inc(accepted)
@@ -188,12 +189,11 @@ class LookaheadProposer:
 
     # --- internals ----------------------------------------------------------------------------------
 
-    def _state(self, req_id: str, row: int, batch: Any) -> RequestState:
+    def _state(self, req_id: str, row: int) -> RequestState:
         state = self.requests.get(req_id)
         if state is None:
-            num_prompt = int(batch.num_prompt_tokens[row])
-            cached = self.runner.requests.get(req_id)
-            max_tokens = getattr(getattr(cached, "sampling_params", None), "max_tokens", None)
+            num_prompt = batch_prompt_length(self.runner, row)
+            max_tokens = runner_max_tokens(self.runner, req_id)
             token_limit = self.max_model_len if max_tokens is None else min(self.max_model_len,
                                                                             num_prompt + max_tokens)
             state = RequestState(self.drafter.new_index(), num_prompt, AcceptanceRate(), token_limit)
@@ -237,8 +237,9 @@ class LookaheadProposer:
 
     def _forget_lost(self) -> None:
         """A safety net: state for requests the runner no longer holds, should a finish be missed."""
-        if len(self.requests) > 2 * max(len(self.runner.requests), 64):
-            self.finish([r for r in self.requests if r not in self.runner.requests])
+        held = runner_request_ids(self.runner)
+        if len(self.requests) > 2 * max(len(held), 64):
+            self.finish([r for r in self.requests if r not in held])
 
     def _add_shared(self, prompt: Sequence[int], output: Sequence[int]) -> None:
         self.drafter.add_shared([*prompt, *output])
