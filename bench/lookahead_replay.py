@@ -139,6 +139,7 @@ class Ngram:
 
     def __init__(self) -> None:
         from lookahead import SPECULATIVE
+
         from engine_worker.vllm_internals import NgramProposer
 
         spec = SPECULATIVE["ngram"]

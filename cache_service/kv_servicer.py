@@ -1,9 +1,11 @@
 """The KVBlockStore gRPC service (protos/kv_cache.proto) over the in-memory BlockStore.
 
-Every refusal is a precise status with a message naming the field, and ends only that call:
-INVALID_ARGUMENT (malformed keys, sizes, chunks or window ranges), RESOURCE_EXHAUSTED (a block larger
-than the whole budget), DATA_LOSS (checksum mismatch), NOT_FOUND (a key not held),
-FAILED_PRECONDITION (a window that is not attached, or not reachable from here).
+Every refusal is a precise status carrying the rich details of protos/errors.proto (an ErrorInfo
+reason and a BadRequest naming the field; the message names it too), and ends only that call:
+INVALID_ARGUMENT (FIELD_INVALID: malformed keys, sizes, chunks or window ranges), RESOURCE_EXHAUSTED
+(BLOCK_TOO_LARGE: a block larger than the whole budget), DATA_LOSS (CHECKSUM_MISMATCH), NOT_FOUND
+(BLOCK_NOT_FOUND: a key not held), FAILED_PRECONDITION (WINDOW_NOT_FOUND: a window that is not
+attached; WINDOW_UNREACHABLE: one not reachable from here; WINDOW_IO_FAILED).
 
 Block bytes travel in the messages or through shared-memory windows (windows.py); either way the
 store holds its own copy.
@@ -22,6 +24,7 @@ from typing import NoReturn, TypeVar
 import grpc
 
 from protos import kv_cache_pb2, kv_cache_pb2_grpc
+from protos.rich_status import Reason, abort
 
 from .block_store import KEY_BYTES, Block, BlockStore, PutOutcome
 from .config import CacheServiceConfig
@@ -48,19 +51,21 @@ async def _settled(future: asyncio.Future[T]) -> T:
         raise
 
 
-async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
-    await context.abort(code, message)
-    raise AssertionError("unreachable: context.abort raises")
+async def _invalid(context: grpc.aio.ServicerContext, message: str, field: str) -> NoReturn:
+    await abort(context, grpc.StatusCode.INVALID_ARGUMENT, message, Reason.FIELD_INVALID, field)
+
+
+async def _window_error(context: grpc.aio.ServicerContext, error: WindowError, prefix: str = "") -> NoReturn:
+    await abort(context, error.code, prefix + error.message, error.reason, error.field)
 
 
 async def _check_keys(keys: Sequence[bytes], context: grpc.aio.ServicerContext) -> None:
     if len(keys) > MAX_KEYS_PER_CALL:
-        await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                     f"keys: at most {MAX_KEYS_PER_CALL} per call, got {len(keys)}")
+        await _invalid(context, f"keys: at most {MAX_KEYS_PER_CALL} per call, got {len(keys)}", "keys")
     for index, key in enumerate(keys):
         if len(key) != KEY_BYTES:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                         f"keys[{index}]: a key is {KEY_BYTES} bytes (SHA-256), got {len(key)}")
+            await _invalid(context, f"keys[{index}]: a key is {KEY_BYTES} bytes (SHA-256), got {len(key)}",
+                           f"keys[{index}]")
 
 
 class KVBlockStoreServicer(kv_cache_pb2_grpc.KVBlockStoreServicer):
@@ -73,7 +78,7 @@ class KVBlockStoreServicer(kv_cache_pb2_grpc.KVBlockStoreServicer):
         try:
             window_id = self.windows.attach(request.name, request.size, request.nonce)
         except WindowError as error:
-            await _abort(context, error.code, error.message)
+            await _window_error(context, error)
         logger.info("attached shared-memory window %s (%d bytes) as %d", request.name, request.size, window_id)
         return kv_cache_pb2.AttachWindowResponse(window_id=window_id)
 
@@ -85,25 +90,24 @@ class KVBlockStoreServicer(kv_cache_pb2_grpc.KVBlockStoreServicer):
         try:
             return self.windows.acquire(ref.window_id, ref.offset, ref.length)
         except WindowError as error:
-            await _abort(context, error.code, error.message)
+            await _window_error(context, error)
 
     async def _read_window(self, chunk: kv_cache_pb2.PutBlocksChunk, index: int,
                            context: grpc.aio.ServicerContext) -> tuple[bytes, int]:
         """A put block's bytes, copied out of the client's window, and their checksum."""
         if chunk.data:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                         f"block {index}: data: a block whose bytes are in a window carries none in the message")
+            await _invalid(context, f"block {index}: data: a block whose bytes are in a window carries none in the "
+                                    "message", "data")
         if chunk.window.length != chunk.header.size:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                         f"block {index}: window.length {chunk.window.length} is not header.size "
-                         f"{chunk.header.size}")
+            await _invalid(context, f"block {index}: window.length {chunk.window.length} is not header.size "
+                                    f"{chunk.header.size}", "window.length")
         window = await self._window(chunk.window, context)
         loop = asyncio.get_running_loop()
         try:
             return await _settled(loop.run_in_executor(None, _read_and_check, window, chunk.window.offset,
                                                        chunk.window.length))
         except WindowError as error:
-            await _abort(context, error.code, f"block {index}: {error.message}")
+            await _window_error(context, error, f"block {index}: ")
         finally:
             self.windows.release(window)
 
@@ -116,21 +120,21 @@ class KVBlockStoreServicer(kv_cache_pb2_grpc.KVBlockStoreServicer):
                             context: grpc.aio.ServicerContext) -> None:
         where = f"block {index}"
         if len(header.key) != KEY_BYTES:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                         f"{where}: header.key is {KEY_BYTES} bytes (SHA-256), got {len(header.key)}")
+            await _invalid(context, f"{where}: header.key is {KEY_BYTES} bytes (SHA-256), got {len(header.key)}",
+                           "header.key")
         if header.parent_key and len(header.parent_key) != KEY_BYTES:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                         f"{where}: header.parent_key is empty or {KEY_BYTES} bytes, got {len(header.parent_key)}")
+            await _invalid(context, f"{where}: header.parent_key is empty or {KEY_BYTES} bytes, got "
+                                    f"{len(header.parent_key)}", "header.parent_key")
         if header.size == 0:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{where}: header.size must be positive")
+            await _invalid(context, f"{where}: header.size must be positive", "header.size")
         if header.num_segments == 0 or header.size % header.num_segments:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                         f"{where}: header.size {header.size} is not a multiple of header.num_segments "
-                         f"{header.num_segments} (the block's bytes are that many equal segments)")
+            await _invalid(context, f"{where}: header.size {header.size} is not a multiple of header.num_segments "
+                                    f"{header.num_segments} (the block's bytes are that many equal segments)",
+                           "header.num_segments")
         if header.size > self.store.budget_bytes:
-            await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                         f"{where}: header.size {header.size} is over the store's whole budget of "
-                         f"{self.store.budget_bytes} bytes")
+            await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"{where}: header.size {header.size} is over the store's whole budget of "
+                        f"{self.store.budget_bytes} bytes", Reason.BLOCK_TOO_LARGE, "header.size")
 
     async def PutBlocks(self, request_iterator: AsyncIterator[kv_cache_pb2.PutBlocksChunk],
                         context: grpc.aio.ServicerContext) -> kv_cache_pb2.PutBlocksResponse:
@@ -148,35 +152,32 @@ class KVBlockStoreServicer(kv_cache_pb2_grpc.KVBlockStoreServicer):
                     self.windows.counters.bytes_stored_shm += len(copied)
                 continue
             if from_window:
-                await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                             f"block {index + 1 if header is None else index}: window: only a block's header "
-                             "chunk may name a window, and not while another block's bytes are arriving")
+                await _invalid(context, f"block {index + 1 if header is None else index}: window: only a block's "
+                                        "header chunk may name a window, and not while another block's bytes are "
+                                        "arriving", "window")
             if chunk.HasField("header"):
                 if header is not None:
-                    await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"block {index}: the next header came after {len(data)} of its "
-                                 f"{header.size} bytes")
+                    await _invalid(context, f"block {index}: the next header came after {len(data)} of its "
+                                            f"{header.size} bytes", "header")
                 index += 1
                 await self._check_header(chunk.header, index, context)
                 header, data = chunk.header, bytearray()
             elif header is None:
-                await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                             "data: bytes came before any block header")
+                await _invalid(context, "data: bytes came before any block header", "data")
             if len(chunk.data) > CHUNK_BYTES:
-                await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                             f"block {index}: a chunk carries at most {CHUNK_BYTES} bytes, got {len(chunk.data)}")
+                await _invalid(context, f"block {index}: a chunk carries at most {CHUNK_BYTES} bytes, got "
+                                        f"{len(chunk.data)}", "data")
             data += chunk.data
             if len(data) > header.size:
-                await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                             f"block {index}: got more bytes than header.size {header.size}")
+                await _invalid(context, f"block {index}: got more bytes than header.size {header.size}", "data")
             if len(data) == header.size:
                 whole = bytes(data)
                 checksum = await asyncio.get_running_loop().run_in_executor(None, zlib.crc32, whole)
                 await self._store(header, whole, checksum, index, reply, context)
                 header, data = None, bytearray()
         if header is not None:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                         f"block {index}: the stream ended after {len(data)} of its {header.size} bytes")
+            await _invalid(context, f"block {index}: the stream ended after {len(data)} of its {header.size} bytes",
+                           "data")
         return reply
 
     async def _store(self, header: kv_cache_pb2.BlockHeader, data: bytes, checksum: int, index: int,
@@ -184,8 +185,9 @@ class KVBlockStoreServicer(kv_cache_pb2_grpc.KVBlockStoreServicer):
         """Checks a complete block's checksum (computed off the event loop), stores it and counts the
         outcome in the reply."""
         if checksum != header.checksum:
-            await _abort(context, grpc.StatusCode.DATA_LOSS,
-                         f"block {index}: checksum mismatch (header.checksum {header.checksum}, bytes {checksum})")
+            await abort(context, grpc.StatusCode.DATA_LOSS,
+                        f"block {index}: checksum mismatch (header.checksum {header.checksum}, bytes {checksum})",
+                        Reason.CHECKSUM_MISMATCH, "header.checksum")
         outcome = self.store.put(header.key, header.parent_key, data, header.num_segments, header.checksum)
         if outcome is PutOutcome.STORED:
             reply.num_stored += 1
@@ -208,8 +210,8 @@ class KVBlockStoreServicer(kv_cache_pb2_grpc.KVBlockStoreServicer):
         served = False
         try:
             if request.segment_major and len({b.num_segments for b in blocks}) > 1:
-                await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                             "segment_major: the blocks have different numbers of segments")
+                await _invalid(context, "segment_major: the blocks have different numbers of segments",
+                               "segment_major")
             yield _headers(blocks)
             for index, start, end in _chunk_plan(blocks, request.segment_major):
                 yield kv_cache_pb2.GetBlocksChunk(block_index=index, offset=start,
@@ -224,9 +226,9 @@ class KVBlockStoreServicer(kv_cache_pb2_grpc.KVBlockStoreServicer):
             return self.store.acquire(list(request.keys))
         except KeyError as missing:
             index = missing.args[0]
-            await _abort(context, grpc.StatusCode.NOT_FOUND,
-                         f"keys[{index}]: block {request.keys[index].hex()[:16]}... is not held "
-                         "(evicted, or never stored)")
+            await abort(context, grpc.StatusCode.NOT_FOUND,
+                        f"keys[{index}]: block {request.keys[index].hex()[:16]}... is not held "
+                        "(evicted, or never stored)", Reason.BLOCK_NOT_FOUND, f"keys[{index}]")
 
     async def _get_into_window(self, request: kv_cache_pb2.GetBlocksRequest,
                                context: grpc.aio.ServicerContext) -> AsyncIterator[kv_cache_pb2.GetBlocksChunk]:
@@ -237,14 +239,12 @@ class KVBlockStoreServicer(kv_cache_pb2_grpc.KVBlockStoreServicer):
             served = False
             try:
                 if len({b.num_segments for b in blocks}) > 1:
-                    await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                                 "keys: the blocks have different numbers of segments (a window holds them "
-                                 "segment-major)")
+                    await _invalid(context, "keys: the blocks have different numbers of segments (a window holds "
+                                            "them segment-major)", "keys")
                 total = sum(len(b.data) for b in blocks)
                 if total > request.window.length:
-                    await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"window.length {request.window.length} cannot hold the {len(blocks)} blocks' "
-                                 f"{total} bytes")
+                    await _invalid(context, f"window.length {request.window.length} cannot hold the "
+                                            f"{len(blocks)} blocks' {total} bytes", "window.length")
                 yield _headers(blocks)
                 # aclosing: however this call ends, the copy has stopped before the window is released.
                 async with contextlib.aclosing(_write_segment_major(window, blocks, request.window.offset)) as done:
@@ -253,7 +253,7 @@ class KVBlockStoreServicer(kv_cache_pb2_grpc.KVBlockStoreServicer):
                 served = True
                 self.windows.counters.bytes_served_shm += total
             except WindowError as error:
-                await _abort(context, error.code, error.message)
+                await _window_error(context, error)
             finally:
                 self.store.release(blocks, served)
         finally:

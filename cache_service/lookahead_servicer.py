@@ -24,6 +24,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from protos import lookahead_pb2, lookahead_pb2_grpc
+from protos.rich_status import Reason, abort
 
 logger = logging.getLogger(__name__)
 
@@ -73,26 +74,27 @@ class LookaheadIndexServicer(lookahead_pb2_grpc.LookaheadIndexServicer):
 
     async def _client(self, namespace: str, context: grpc.aio.ServicerContext) -> tuple[redis.Redis, str]:
         if not namespace or len(namespace) > MAX_NAMESPACE_LENGTH:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"namespace: must be 1 to {MAX_NAMESPACE_LENGTH} characters")
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                        f"namespace: must be 1 to {MAX_NAMESPACE_LENGTH} characters", Reason.FIELD_INVALID, "namespace")
         if self.redis is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "the cache service was started without --redis-url: the lookahead index "
-                                "is not shared")
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                        "the cache service was started without --redis-url: the lookahead index is not shared",
+                        Reason.INDEX_UNAVAILABLE)
         assert self.redis is not None
         return self.redis, KEY_PREFIX + namespace
 
     async def _unavailable(self, context: grpc.aio.ServicerContext, error: RedisError) -> None:
         logger.warning("lookahead index: Redis at %s: %s", self.redis_url, error)
-        await context.abort(grpc.StatusCode.UNAVAILABLE, f"Redis is unavailable: {error}")
+        await abort(context, grpc.StatusCode.UNAVAILABLE, f"Redis is unavailable: {error}", Reason.INDEX_UNAVAILABLE)
 
     async def Publish(self, request: lookahead_pb2.PublishRequest,
                       context: grpc.aio.ServicerContext) -> lookahead_pb2.PublishResponse:
         client, key = await self._client(request.namespace, context)
         tokens = sum(len(r.prompt) + len(r.output) for r in request.records)
         if tokens > MAX_PUBLISH_TOKENS:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"records: {tokens} tokens in one call; at most {MAX_PUBLISH_TOKENS}")
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                        f"records: {tokens} tokens in one call; at most {MAX_PUBLISH_TOKENS}", Reason.FIELD_INVALID,
+                        "records")
         last_id = ""
         try:
             async with client.pipeline(transaction=False) as pipe:
@@ -114,8 +116,9 @@ class LookaheadIndexServicer(lookahead_pb2_grpc.LookaheadIndexServicer):
         client, key = await self._client(request.namespace, context)
         after = request.after_id or "0-0"
         if not LOG_ID.fullmatch(after):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"after_id: {after!r} is not a log id (MILLISECONDS-SEQUENCE)")
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                        f"after_id: {after!r} is not a log id (MILLISECONDS-SEQUENCE)", Reason.FIELD_INVALID,
+                        "after_id")
         caught_up = False
         while True:
             try:

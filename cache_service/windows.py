@@ -8,7 +8,8 @@ client that shrinks its file after attaching it then gets a short read or a refu
 mapping would take the whole service down with SIGBUS on the first touch past the new end.
 
 Pure bookkeeping plus file I/O, no gRPC: the servicer validates requests and reports the errors
-raised here (WindowError carries the status and a message naming the field).
+raised here (WindowError carries the status, the reason of protos/errors.proto, the field and a
+message naming it).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from protos.rich_status import Reason
+
 SHM_DIR = "/dev/shm"
 # taco_llm-kv-<pid>-<random hex>: a plain name, so no path can reach outside /dev/shm.
 NAME_PATTERN = re.compile(r"taco_llm-kv-[0-9]{1,10}-[0-9a-f]{8,64}")
@@ -36,12 +39,15 @@ IDLE_SECONDS = 600.0        # a window unused this long is dropped (its client m
 
 
 class WindowError(Exception):
-    """A refusal: the gRPC status and a message that names the field at fault."""
+    """A refusal: the gRPC status, its reason (an ErrorReason value), the field at fault, and a message
+    that names it."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, reason: int, field: str):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.reason = reason
+        self.field = field
 
 
 @dataclass
@@ -61,7 +67,7 @@ class Window:
         if len(data) != length:
             raise WindowError(grpc.StatusCode.FAILED_PRECONDITION,
                               f"window: read {len(data)} of {length} bytes at offset {offset} of window "
-                              f"{self.window_id}; the client shrank its window")
+                              f"{self.window_id}; the client shrank its window", Reason.WINDOW_IO_FAILED, "window")
         return data
 
     def write(self, offset: int, data: memoryview) -> None:
@@ -71,7 +77,8 @@ class Window:
                 step = os.pwrite(self.fd, data[written:], offset + written)
             if step <= 0:
                 raise WindowError(grpc.StatusCode.FAILED_PRECONDITION,
-                                  f"window: the write into window {self.window_id} stopped at {written} bytes")
+                                  f"window: the write into window {self.window_id} stopped at {written} bytes",
+                                  Reason.WINDOW_IO_FAILED, "window")
             written += step
 
 
@@ -82,7 +89,8 @@ def _os_errors(what: str) -> Iterator[None]:
     except OSError as error:
         code = (grpc.StatusCode.RESOURCE_EXHAUSTED if error.errno in (errno.ENOSPC, errno.ENOMEM)
                 else grpc.StatusCode.FAILED_PRECONDITION)
-        raise WindowError(code, f"window: cannot {what} it ({os.strerror(error.errno or 0)})") from None
+        raise WindowError(code, f"window: cannot {what} it ({os.strerror(error.errno or 0)})",
+                          Reason.WINDOW_IO_FAILED, "window") from None
 
 
 @dataclass
@@ -110,13 +118,14 @@ class WindowTable:
         if not NAME_PATTERN.fullmatch(name):
             raise WindowError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"name: {name[:80]!r} is not a window name (taco_llm-kv-<pid>-<hex digits>, "
-                              f"a plain name under {self.shm_dir})")
+                              f"a plain name under {self.shm_dir})", Reason.FIELD_INVALID, "name")
         if not NONCE_BYTES <= size <= MAX_WINDOW_BYTES:
             raise WindowError(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"size: a window is {NONCE_BYTES} to {MAX_WINDOW_BYTES} bytes, got {size}")
+                              f"size: a window is {NONCE_BYTES} to {MAX_WINDOW_BYTES} bytes, got {size}",
+                              Reason.FIELD_INVALID, "size")
         if len(nonce) != NONCE_BYTES:
             raise WindowError(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"nonce: {NONCE_BYTES} bytes, got {len(nonce)}")
+                              f"nonce: {NONCE_BYTES} bytes, got {len(nonce)}", Reason.FIELD_INVALID, "nonce")
         fd = self._open(name)
         try:
             self._check(fd, name, size, nonce)
@@ -136,27 +145,33 @@ class WindowTable:
         except OSError as error:
             if error.errno == errno.ELOOP:
                 raise WindowError(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"name: {path} is a symbolic link, not a window") from None
+                                  f"name: {path} is a symbolic link, not a window", Reason.FIELD_INVALID,
+                                  "name") from None
             if error.errno == errno.EISDIR:
-                raise WindowError(grpc.StatusCode.INVALID_ARGUMENT, f"name: {name} is not a regular file") from None
+                raise WindowError(grpc.StatusCode.INVALID_ARGUMENT, f"name: {name} is not a regular file",
+                                  Reason.FIELD_INVALID, "name") from None
             raise WindowError(grpc.StatusCode.FAILED_PRECONDITION,
                               f"name: window {path} is not reachable from the cache service "
-                              f"({os.strerror(error.errno or 0)}): not the same host or IPC namespace") from None
+                              f"({os.strerror(error.errno or 0)}): not the same host or IPC namespace",
+                              Reason.WINDOW_UNREACHABLE, "name") from None
 
     def _check(self, fd: int, name: str, size: int, nonce: bytes) -> None:
         with _os_errors("stat"):
             info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise WindowError(grpc.StatusCode.INVALID_ARGUMENT, f"name: {name} is not a regular file")
+            raise WindowError(grpc.StatusCode.INVALID_ARGUMENT, f"name: {name} is not a regular file",
+                              Reason.FIELD_INVALID, "name")
         if info.st_size != size:
             raise WindowError(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"size: the window {name} holds {info.st_size} bytes, not {size}")
+                              f"size: the window {name} holds {info.st_size} bytes, not {size}",
+                              Reason.FIELD_INVALID, "size")
         with _os_errors("read"):
             found = os.pread(fd, NONCE_BYTES, 0)
         if found != nonce:
             raise WindowError(grpc.StatusCode.FAILED_PRECONDITION,
                               f"nonce: the file {name} the cache service sees holds another nonce: not the "
-                              "client's own window (not the same host or IPC namespace)")
+                              "client's own window (not the same host or IPC namespace)", Reason.WINDOW_UNREACHABLE,
+                              "nonce")
 
     def detach(self, window_id: int) -> bool:
         window = self._windows.pop(window_id, None)
@@ -172,14 +187,15 @@ class WindowTable:
         if window is None:
             raise WindowError(grpc.StatusCode.FAILED_PRECONDITION,
                               f"window.window_id {window_id} is not attached (the cache service restarted, or "
-                              "dropped it): attach a new window")
+                              "dropped it): attach a new window", Reason.WINDOW_NOT_FOUND, "window.window_id")
         if offset > window.size:
             raise WindowError(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"window.offset {offset} is beyond the window's {window.size} bytes")
+                              f"window.offset {offset} is beyond the window's {window.size} bytes",
+                              Reason.FIELD_INVALID, "window.offset")
         if length == 0 or length > window.size - offset:
             raise WindowError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"window.length {length} at offset {offset} does not fit in the window's "
-                              f"{window.size} bytes (or is 0)")
+                              f"{window.size} bytes (or is 0)", Reason.FIELD_INVALID, "window.length")
         window.users += 1
         window.last_used = time.monotonic()
         self._windows.move_to_end(window_id)

@@ -11,6 +11,9 @@ from typing import Any
 
 import grpc
 
+from protos import rich_status
+from protos.rich_status import Reason
+
 OPEN_SERVICE_PREFIXES = ("/grpc.health.v1.Health/",)
 DENIED = "missing or invalid API key: send metadata 'authorization: Bearer <key>' (the worker's --api-key)"
 
@@ -25,7 +28,7 @@ def _bearer(metadata: Any) -> bytes | None:
 
 
 async def _deny(_request: Any, context: grpc.aio.ServicerContext) -> None:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, DENIED)
+    await rich_status.abort(context, grpc.StatusCode.UNAUTHENTICATED, DENIED, Reason.API_KEY_INVALID, "authorization")
 
 
 def _denying(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:

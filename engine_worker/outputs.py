@@ -1,6 +1,8 @@
-"""vLLM's RequestOutput deltas to the proto's GenerateResponse."""
+"""vLLM's RequestOutput deltas to the proto's GenerateResponse phases: started, delta..., finished."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from vllm.logprobs import Logprob
 from vllm.outputs import CompletionOutput, RequestOutput
@@ -8,6 +10,22 @@ from vllm.outputs import CompletionOutput, RequestOutput
 from protos import engine_pb2
 
 from .tools import ChoiceToolParser, ToolRequest
+
+# vLLM's finish reasons (vllm.v1.engine.FINISH_REASON_STRINGS) as the proto's enum.
+FINISH_REASONS: dict[str, engine_pb2.FinishReason] = {
+    "stop": engine_pb2.FINISH_REASON_STOP,
+    "length": engine_pb2.FINISH_REASON_LENGTH,
+    "abort": engine_pb2.FINISH_REASON_ABORT,
+    "error": engine_pb2.FINISH_REASON_ERROR,
+    "repetition": engine_pb2.FINISH_REASON_REPETITION,
+}
+
+
+def finish_reason(reason: str | None) -> engine_pb2.FinishReason:
+    if reason is None:
+        return engine_pb2.FINISH_REASON_UNSPECIFIED
+    # A reason a later vLLM adds still ends the choice: the client must not wait for more of it.
+    return FINISH_REASONS.get(reason, engine_pb2.FINISH_REASON_ERROR)
 
 
 def _logprobs(output: CompletionOutput, top_n: int) -> list[engine_pb2.TokenLogprob]:
@@ -32,13 +50,25 @@ def _logprobs(output: CompletionOutput, top_n: int) -> list[engine_pb2.TokenLogp
     return items
 
 
+def prompt_logprobs(positions: Iterable[dict[int, Logprob] | None]) -> list[engine_pb2.PromptTokenLogprobs]:
+    """vLLM's prompt logprobs (None for the first token, then the prompt token and the top ones per
+    position, in vLLM's order) as the proto's entries."""
+    return [
+        engine_pb2.PromptTokenLogprobs(candidates=[
+            engine_pb2.RankedLogprob(token_id=tid, token=lp.decoded_token or "", logprob=lp.logprob, rank=lp.rank or 0)
+            for tid, lp in (candidates or {}).items()
+        ])
+        for candidates in positions
+    ]
+
+
 def choice_delta(output: CompletionOutput, top_n: int) -> engine_pb2.ChoiceDelta:
     delta = engine_pb2.ChoiceDelta(
         index=output.index,
         text=output.text,
         token_ids=output.token_ids,
         logprobs=_logprobs(output, top_n),
-        finish_reason=output.finish_reason or "",
+        finish_reason=finish_reason(output.finish_reason),
     )
     if isinstance(output.stop_reason, str):
         delta.stop_string = output.stop_reason
@@ -54,30 +84,41 @@ class ResponseBuilder:
         self.request_id = request_id
         self.top_logprobs = top_logprobs
         self.completion_tokens = 0
-        self.first = True
+        self.started = False
         # With tool calling, each choice's text goes through its own (stateful) vLLM parser.
         self.tools = tools
         self.tool_parsers: dict[int, ChoiceToolParser] = {}
 
-    def build(self, output: RequestOutput) -> engine_pb2.GenerateResponse:
-        message = engine_pb2.GenerateResponse(request_id=self.request_id, tool_calls_parsed=self.tools is not None)
+    def build(self, output: RequestOutput) -> list[engine_pb2.GenerateResponse]:
+        """The messages for one engine output: `started` before the first output's delta, `finished`
+        after the last one's."""
+        messages = []
         prompt_ids = list(output.prompt_token_ids) if output.prompt_token_ids is not None else None
+        if not self.started:
+            self.started = True
+            started = engine_pb2.Started(prompt_token_ids=prompt_ids or [])
+            # With output kind DELTA, vLLM hands over all prompt logprobs at once, in the first output.
+            if output.prompt_logprobs is not None:
+                started.prompt_logprobs.extend(prompt_logprobs(output.prompt_logprobs))
+            messages.append(engine_pb2.GenerateResponse(request_id=self.request_id, started=started))
+        delta = engine_pb2.Delta()
         for choice in output.outputs:
             self.completion_tokens += len(choice.token_ids)
-            delta = choice_delta(choice, self.top_logprobs)
+            choice_message = choice_delta(choice, self.top_logprobs)
             if self.tools is not None:
                 if choice.index not in self.tool_parsers:
                     self.tool_parsers[choice.index] = self.tools.choice_parser()
                 parser = self.tool_parsers[choice.index]
-                parser.delta(delta, prompt_ids, finished=choice.finish_reason is not None)
-            message.choices.append(delta)
-        if self.first and output.prompt_token_ids is not None:
-            message.prompt_token_ids.ids.extend(output.prompt_token_ids)
-            self.first = False
+                parser.delta(choice_message, prompt_ids, finished=choice.finish_reason is not None)
+            delta.choices.append(choice_message)
+        if delta.choices:
+            messages.append(engine_pb2.GenerateResponse(request_id=self.request_id, delta=delta))
         if output.finished:
-            message.usage.CopyFrom(engine_pb2.Usage(
+            usage = engine_pb2.Usage(
                 prompt_tokens=len(output.prompt_token_ids or ()),
                 completion_tokens=self.completion_tokens,
                 cached_prompt_tokens=output.num_cached_tokens or 0,
-            ))
-        return message
+            )
+            messages.append(engine_pb2.GenerateResponse(request_id=self.request_id,
+                                                        finished=engine_pb2.Finished(usage=usage)))
+        return messages

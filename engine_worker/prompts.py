@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from vllm.inputs import tokens_input
-from vllm.renderers import BaseRenderer, ChatParams
-from vllm.renderers.inputs.preprocess import parse_model_prompt
-from vllm.renderers.params import merge_kwargs
 
 from protos import engine_pb2
+from protos.rich_status import Reason
 
-from .sampling import InvalidField
+from .sampling import InvalidField, json_value
+from .vllm_internals import UNTRUSTED_CHAT_TEMPLATE, BaseRenderer, ChatParams, merge_kwargs, parse_model_prompt
 
 
 @dataclass(frozen=True)
@@ -22,10 +20,6 @@ class ChatDefaults:
 
     chat_template: str | None = None
     trust_request_chat_template: bool = False
-
-
-_UNTRUSTED_TEMPLATE = ("Chat template is passed with request, but --trust-request-chat-template is not set. "
-                       "Refused request with untrusted chat template.")
 
 
 def _message_dict(message: engine_pb2.ChatMessage) -> dict[str, Any]:
@@ -49,43 +43,32 @@ def _message_dict(message: engine_pb2.ChatMessage) -> dict[str, Any]:
     return out
 
 
-def _json_field(text: str, field: str, kind: type) -> Any:
-    if not text:
-        return None
-    try:
-        value = json.loads(text)
-    except ValueError as error:
-        raise InvalidField(field, f"{field} is not valid JSON: {error}") from None
-    if not isinstance(value, kind):
-        raise InvalidField(field, f"{field} must be a JSON {kind.__name__}")
-    return value
-
-
 def chat_messages(chat: engine_pb2.ChatInput) -> list[dict[str, Any]]:
     if not chat.messages:
-        raise InvalidField("chat.messages", "messages must not be empty")
+        raise InvalidField("chat.messages", "messages must not be empty", Reason.FIELD_REQUIRED)
     return [_message_dict(m) for m in chat.messages]
 
 
 def chat_tools(chat: engine_pb2.ChatInput) -> list[Any] | None:
-    return _json_field(chat.tools_json, "chat.tools", list)  # type: ignore[no-any-return]
+    """The tool definitions; None when the field is unset (an empty list is passed on, for vLLM to refuse)."""
+    return json_value(chat.tools) if chat.HasField("tools") else None  # type: ignore[no-any-return]
 
 
 def _chat_params(chat: engine_pb2.ChatInput, defaults: ChatDefaults) -> ChatParams:
     for i, message in enumerate(chat.messages):
         if not message.role:
-            raise InvalidField(f"chat.messages[{i}].role", f"messages[{i}] has no role")
+            raise InvalidField(f"chat.messages[{i}].role", f"messages[{i}] has no role", Reason.FIELD_REQUIRED)
     add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
     if chat.continue_final_message and add_generation_prompt:
         raise InvalidField("chat.continue_final_message",
                            "continue_final_message needs add_generation_prompt set to false")
-    user_kwargs = _json_field(chat.chat_template_kwargs_json, "chat.chat_template_kwargs", dict) or {}
+    user_kwargs: dict[str, Any] = json_value(chat.chat_template_kwargs) if chat.HasField("chat_template_kwargs") else {}
     for reserved in ("chat_template", "tokenize"):
         if reserved in user_kwargs:
             raise InvalidField("chat.chat_template_kwargs", f"chat_template_kwargs may not set {reserved!r}")
     if chat.HasField("chat_template") and not defaults.trust_request_chat_template:
         # As vLLM's server: a request's own template runs only where the operator allows it.
-        raise InvalidField("chat.chat_template", _UNTRUSTED_TEMPLATE)
+        raise InvalidField("chat.chat_template", UNTRUSTED_CHAT_TEMPLATE, Reason.CHAT_TEMPLATE_NOT_TRUSTED)
     tools = chat_tools(chat)
     return ChatParams(
         chat_template=chat.chat_template if chat.HasField("chat_template") else defaults.chat_template,
@@ -122,5 +105,5 @@ def token_input(ids: list[int], vocab_size: int) -> dict[str, Any]:
     for i, token in enumerate(ids):
         if token >= vocab_size:
             raise InvalidField("token_ids", f"token_ids[{i}] = {token} is outside the vocabulary "
-                                            f"(size {vocab_size})")
+                                            f"(size {vocab_size})", Reason.TOKEN_OUT_OF_VOCABULARY)
     return tokens_input(ids)  # type: ignore[return-value]

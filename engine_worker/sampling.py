@@ -2,21 +2,42 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
+from google.protobuf import json_format, struct_pb2
 from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 from protos import engine_pb2
+from protos.rich_status import Reason
+
+# Struct numbers are doubles; whole numbers up to this are turned back into the integers they were.
+_EXACT_INTEGER_LIMIT = 2**53
 
 
 class InvalidField(ValueError):
-    """A request field with a value the engine cannot use."""
+    """A request field with a value the engine cannot use; `reason` is an ErrorReason value."""
 
-    def __init__(self, field: str, message: str):
+    def __init__(self, field: str, message: str, reason: int = Reason.FIELD_INVALID):
         super().__init__(message)
         self.field = field
+        self.reason = reason
+
+
+def _whole_numbers(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer() and abs(value) <= _EXACT_INTEGER_LIMIT:
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _whole_numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_whole_numbers(v) for v in value]
+    return value
+
+
+def json_value(message: struct_pb2.Struct | struct_pb2.ListValue | struct_pb2.Value) -> Any:
+    """A Struct, ListValue or Value as the JSON value (dict, list, str, ...) it carries, with whole
+    numbers as ints: a JSON schema's `"maxItems": 2` or a template's `{{ n }}` must not become 2.0."""
+    return _whole_numbers(json_format.MessageToDict(message))
 
 
 @dataclass(frozen=True)
@@ -50,13 +71,7 @@ def structured(so: engine_pb2.StructuredOutput) -> StructuredOutputsParams | Non
     if kind is None:
         return None
     if kind == "json_schema":
-        try:
-            schema = json.loads(so.json_schema)
-        except ValueError as error:
-            raise InvalidField("structured_output.json_schema", f"the JSON schema is not valid JSON: {error}") from None
-        if not isinstance(schema, dict):
-            raise InvalidField("structured_output.json_schema", "the JSON schema must be a JSON object")
-        return StructuredOutputsParams(json=schema)
+        return StructuredOutputsParams(json=json_value(so.json_schema))
     if kind == "json_object":
         return StructuredOutputsParams(json_object=True)
     if kind == "regex":
@@ -122,7 +137,7 @@ def to_vllm(
         if token >= limits.vocab_size:
             field = "stop_token_ids" if token in params.stop_token_ids else "logit_bias"
             raise InvalidField(field, f"{field}: token id {token} is outside the vocabulary "
-                                      f"(size {limits.vocab_size})")
+                                      f"(size {limits.vocab_size})", Reason.TOKEN_OUT_OF_VOCABULARY)
     for token, bias in params.logit_bias.items():
         if not -100.0 <= bias <= 100.0:
             raise InvalidField("logit_bias", f"logit_bias for token {token} must be in [-100, 100], got {bias}")

@@ -16,6 +16,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from protos import engine_pb2, engine_pb2_grpc
+from protos.rich_status import Reason, abort
 from taco_llm.version import package_version
 
 from . import prompts
@@ -25,26 +26,16 @@ from .lora import LoraRegistry
 from .outputs import ResponseBuilder
 from .sampling import InvalidField, Limits, structured, to_vllm
 from .tools import ToolCalling, tool_parser_class
+from .vllm_internals import is_context_overflow
 
 logger = logging.getLogger(__name__)
-
-ERROR_PARAM_KEY = "taco-error-param"
-
 
 class TooLong(Exception):
     """The prompt does not fit in the model's context."""
 
 
-async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str,
-                 field: str | None = None) -> NoReturn:
-    metadata = ((ERROR_PARAM_KEY, field),) if field else ()
-    await context.abort(code, message, trailing_metadata=metadata)
-    raise AssertionError("unreachable")  # context.abort raises
-
-
-def _is_context_overflow(error: VLLMValidationError) -> bool:
-    text = str(error)
-    return "maximum context length" in text or "longer than the maximum model length" in text
+async def _refuse(context: grpc.aio.ServicerContext, error: InvalidField) -> NoReturn:
+    await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error), error.reason, error.field)
 
 
 class EngineService(engine_pb2_grpc.EngineServicer):
@@ -80,9 +71,9 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     async def _check_model(self, model: str, context: grpc.aio.ServicerContext) -> LoRARequest | None:
         """The LoRA adapter the model name asks for (None: the base model)."""
         if model and model not in self.served_model_names:
-            await _abort(context, grpc.StatusCode.NOT_FOUND,
-                         f"The model `{model}` does not exist; this worker serves "
-                         f"{', '.join(self.served_model_names)}", "model")
+            await abort(context, grpc.StatusCode.NOT_FOUND,
+                        f"The model `{model}` does not exist; this worker serves "
+                        f"{', '.join(self.served_model_names)}", Reason.MODEL_NOT_FOUND, "model")
         return self.loras.get(model)
 
     async def _load_adapter(self, lora: LoRARequest, context: grpc.aio.ServicerContext) -> None:
@@ -95,15 +86,16 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         except EngineDeadError:
             raise
         except Exception as error:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                         f"the LoRA adapter `{lora.lora_name}` ({lora.lora_path}) failed to load: {error}", "model")
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                        f"the LoRA adapter `{lora.lora_name}` ({lora.lora_path}) failed to load: {error}",
+                        Reason.LORA_LOAD_FAILED, "model")
         self.loaded_adapters.add(lora.lora_name)
 
     async def _render(self, request: engine_pb2.GenerateRequest | engine_pb2.TokenizeRequest) -> dict[str, Any]:
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else None
         kind = request.WhichOneof("input")
         if kind is None:
-            raise InvalidField("input", "one of text, token_ids or chat is required")
+            raise InvalidField("input", "one of text, token_ids or chat is required", Reason.FIELD_REQUIRED)
         try:
             if kind == "chat":
                 return await prompts.render_chat(self.renderer, request.chat, add_special, self.chat_defaults)
@@ -112,13 +104,13 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             assert isinstance(request, engine_pb2.GenerateRequest)
             return prompts.token_input(list(request.token_ids.ids), self.limits.vocab_size)
         except VLLMValidationError as error:
-            if _is_context_overflow(error):
+            if is_context_overflow(error):
                 raise TooLong(str(error)) from None
             raise InvalidField(kind, str(error)) from None
 
     def _check_length(self, prompt_len: int, kind: str) -> None:
         if prompt_len == 0:
-            raise InvalidField(kind, "the prompt is empty")
+            raise InvalidField(kind, "the prompt is empty", Reason.FIELD_REQUIRED)
         if prompt_len >= self.limits.max_model_len:
             raise TooLong(
                 f"This model's maximum context length is {self.limits.max_model_len} tokens, and the prompt has "
@@ -136,7 +128,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 raise InvalidField(
                     "structured_output.backend",
                     f"this worker's structured-output backend is {self.structured_backend!r}; vLLM's V1 engine "
-                    f"cannot switch it per request (asked for {so.backend!r})",
+                    f"cannot switch it per request (asked for {so.backend!r})", Reason.STRUCTURED_OUTPUT_BACKEND_FIXED,
                 )
             tools = None
             if kind == "chat":
@@ -148,13 +140,13 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             params = to_vllm(request.sampling, self.limits, prompt_len, self.sampling_defaults,
                              tools.sampling_overrides() if tools is not None else None)
         except InvalidField as error:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error), error.field)
+            await _refuse(context, error)
         except TooLong as error:
-            await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(error), kind)
+            await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(error), Reason.PROMPT_TOO_LONG, kind)
 
         if request_id in self.running:
-            await _abort(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already running",
-                         "request_id")
+            await abort(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already running",
+                        Reason.REQUEST_ID_IN_USE, "request_id")
         if lora is not None:
             await self._load_adapter(lora, context)
         builder = ResponseBuilder(request_id, params.logprobs or 0, tools)
@@ -166,21 +158,27 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 engine_input,  # type: ignore[arg-type]  # a rendered EngineInput dict
                 params, request_id, lora_request=lora, priority=request.priority,
             ):
-                yield builder.build(output)
+                for message in builder.build(output):
+                    yield message
         except VLLMValidationError as error:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error), error.parameter or "sampling")
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error), Reason.FIELD_INVALID,
+                        error.parameter or "sampling")
         except VLLMClientError as error:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            # vLLM's other request errors name no parameter; the sampling parameters are what vLLM checks
+            # once the request runs (the input was rendered and checked before).
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error), Reason.FIELD_INVALID, "sampling")
         except EngineDeadError:
             self.on_engine_dead()
-            await _abort(context, grpc.StatusCode.UNAVAILABLE, "the engine has died; the worker is stopping")
+            await abort(context, grpc.StatusCode.UNAVAILABLE, "the engine has died; the worker is stopping",
+                        Reason.ENGINE_DEAD)
         finally:
             self.running.discard(request_id)
 
     async def Abort(self, request: engine_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> engine_pb2.AbortResponse:
         if not request.request_id:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "request_id is required", "request_id")
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "request_id is required", Reason.FIELD_REQUIRED,
+                        "request_id")
         known = request.request_id in self.running
         await self.engine.abort(request.request_id)
         return engine_pb2.AbortResponse(aborted=known)
@@ -225,9 +223,10 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         try:
             engine_input = await self._render(request)
         except InvalidField as error:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error), error.field)
+            await _refuse(context, error)
         except TooLong as error:
-            await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(error), request.WhichOneof("input"))
+            await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(error), Reason.PROMPT_TOO_LONG,
+                        request.WhichOneof("input"))
         ids = list(engine_input["prompt_token_ids"])
         reply = engine_pb2.TokenizeResponse(token_ids=ids, max_model_len=self.limits.max_model_len)
         if request.return_token_strs:
@@ -239,7 +238,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         await self._check_model(request.model, context)
         for i, token in enumerate(request.token_ids):
             if token >= self.limits.vocab_size:
-                await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                             f"token_ids[{i}] = {token} is outside the vocabulary (size {self.limits.vocab_size})",
-                             "token_ids")
+                await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                            f"token_ids[{i}] = {token} is outside the vocabulary (size {self.limits.vocab_size})",
+                            Reason.TOKEN_OUT_OF_VOCABULARY, "token_ids")
         return engine_pb2.DetokenizeResponse(text=self.tokenizer.decode(list(request.token_ids)))

@@ -10,35 +10,33 @@ in whole at the end for non-streaming replies, exactly as vLLM's chat serving do
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from pydantic import ValidationError
-from vllm.entrypoints.generate.base.protocol import DeltaMessage
-from vllm.entrypoints.openai.chat_completion.protocol import (
-    ChatCompletionNamedToolChoiceParam,
-    ChatCompletionRequest,
-)
-from vllm.entrypoints.serve.utils.tool_calls_utils import maybe_filter_parallel_tool_calls
 from vllm.exceptions import VLLMValidationError
-from vllm.parser.abstract_parser import Parser
-from vllm.parser.parser_manager import ParserManager
-from vllm.renderers.chat_utils import make_tool_call_id
 from vllm.sampling_params import StructuredOutputsParams
-from vllm.tokenizers import TokenizerLike, get_tokenizer
-from vllm.tool_parsers import ToolParserManager
 
 from protos import engine_pb2
+from protos.rich_status import Reason
 
-from .sampling import InvalidField
+from .sampling import InvalidField, json_value
+from .vllm_internals import (
+    AUTO_TOOL_CHOICE_NEEDS_PARSER,
+    ChatCompletionNamedToolChoiceParam,
+    ChatCompletionRequest,
+    DeltaMessage,
+    Parser,
+    ParserManager,
+    TokenizerLike,
+    forced_tool_choice_needs_parser,
+    get_tokenizer,
+    make_tool_call_id,
+    maybe_filter_parallel_tool_calls,
+)
 
 
 class ToolParserProblem(ValueError):
     """--tool-call-parser names a parser that cannot work with this model's tokenizer."""
-
-
-def tool_parser_names() -> list[str]:
-    return sorted(set(ToolParserManager.tool_parsers) | set(ToolParserManager.lazy_parsers))
 
 
 def tool_parser_class(name: str | None, enable_auto_tools: bool, tokenizer: str | TokenizerLike,
@@ -90,14 +88,11 @@ class ToolCalling:
                 constraint: StructuredOutputsParams | None) -> ToolRequest | None:
         """None when the output is not to be parsed (no tools, tool_choice "none", or no parser);
         errors (bad tools, a tool_choice this worker cannot honour) name the field."""
-        if tools is None and not chat.tool_choice_json:
+        if tools is None and not chat.HasField("tool_choice"):
             return None
         data: dict[str, Any] = {"model": "", "messages": messages, "tools": tools}
-        if chat.tool_choice_json:
-            try:
-                data["tool_choice"] = json.loads(chat.tool_choice_json)
-            except ValueError as error:
-                raise InvalidField("tool_choice", f"tool_choice is not valid JSON: {error}") from None
+        if chat.HasField("tool_choice"):
+            data["tool_choice"] = json_value(chat.tool_choice)
         if chat.HasField("parallel_tool_calls"):
             data["parallel_tool_calls"] = chat.parallel_tool_calls
         if constraint is not None:
@@ -112,10 +107,9 @@ class ToolCalling:
         if self.parser_cls is None and choice not in (None, "none"):
             # vLLM's server answers these the same way (OnlineRenderer.render_chat).
             if choice == "auto":
-                raise InvalidField("tool_choice", '"auto" tool choice requires --enable-auto-tool-choice and '
-                                                  "--tool-call-parser to be set")
-            raise InvalidField("tool_choice", f"tool_choice={_choice_text(choice)} requires --tool-call-parser "
-                                              "to be set")
+                raise InvalidField("tool_choice", AUTO_TOOL_CHOICE_NEEDS_PARSER, Reason.TOOL_CHOICE_UNSUPPORTED)
+            raise InvalidField("tool_choice", forced_tool_choice_needs_parser(_choice_text(choice)),
+                               Reason.TOOL_CHOICE_UNSUPPORTED)
         if self.parser_cls is None or choice == "none" or not request.tools:
             return None
         adjusted = self.new_parser(request).adjust_request(request)
@@ -177,31 +171,35 @@ class ChoiceToolParser:
         self.streamed_calls = False
 
     def delta(self, delta: engine_pb2.ChoiceDelta, prompt_token_ids: list[int] | None, finished: bool) -> None:
-        """Fills the delta's `content` and `tool_calls` (and, when finished, `parsed`) from its `text`."""
+        """Turns the delta's `text` into its `parsed` variant: the raw text, its content and tool-call
+        fragments, and, when finished, the whole text parsed at once."""
         if prompt_token_ids is not None and self.prompt_token_ids is None:
             self.prompt_token_ids = prompt_token_ids
-        self.text += delta.text
+        text = delta.text
+        parsed = delta.parsed
+        parsed.raw_text = text  # sets the `output` oneof to `parsed`, even for empty text
+        self.text += text
         self.token_ids.extend(delta.token_ids)
         message = self.stream_parser.parse_delta(
-            delta_text=delta.text, delta_token_ids=list(delta.token_ids), request=self.tools.request,
+            delta_text=text, delta_token_ids=list(delta.token_ids), request=self.tools.request,
             prompt_token_ids=self.prompt_token_ids, finished=finished,
         )
         if message is not None:
             message = maybe_filter_parallel_tool_calls(message, self.tools.request)
             if message.content:
-                delta.content = message.content
+                parsed.content = message.content
             calls = _tool_call_deltas(message)
             if calls:
                 self.streamed_calls = True
-                delta.tool_calls.extend(calls)
+                parsed.tool_calls.extend(calls)
         if finished:
-            raw = delta.finish_reason or "stop"
-            delta.parsed.CopyFrom(self.parse_whole(raw))
+            raw = delta.finish_reason or engine_pb2.FINISH_REASON_STOP
+            parsed.whole.CopyFrom(self.parse_whole(raw))
             # As vLLM streams it: "tool_calls" when calls were streamed, but "stop" for a named choice.
-            if self.streamed_calls and not self.tools.named and raw == "stop":
-                delta.finish_reason = "tool_calls"
+            if self.streamed_calls and not self.tools.named and raw == engine_pb2.FINISH_REASON_STOP:
+                delta.finish_reason = engine_pb2.FINISH_REASON_TOOL_CALLS
 
-    def parse_whole(self, finish_reason: str) -> engine_pb2.ParsedChoice:
+    def parse_whole(self, finish_reason: engine_pb2.FinishReason) -> engine_pb2.ParsedChoice:
         """The choice as vLLM's non-streaming chat completion builds it."""
         tools = self.tools
         parser = tools.calling.new_parser(tools.request)
@@ -221,6 +219,6 @@ class ChoiceToolParser:
                 function_name=call.name, function_arguments=call.arguments,
             ))
         auto_called = not (tools.named or tools.required) and bool(calls)
-        if auto_called or (tools.required and finish_reason == "stop"):
-            parsed.finish_reason = "tool_calls"
+        if auto_called or (tools.required and finish_reason == engine_pb2.FINISH_REASON_STOP):
+            parsed.finish_reason = engine_pb2.FINISH_REASON_TOOL_CALLS
         return parsed

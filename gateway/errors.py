@@ -7,8 +7,7 @@ from http import HTTPStatus
 import grpc
 from fastapi.responses import JSONResponse
 
-# The worker names the offending field in this trailing-metadata key (see protos/engine.proto).
-ERROR_PARAM_KEY = "taco-error-param"
+from protos.rich_status import details_of
 
 _TYPES = {
     400: "invalid_request_error",
@@ -70,13 +69,12 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 def from_grpc(error: grpc.aio.AioRpcError, param_names: dict[str, str] | None = None) -> APIError:
     """Turns a worker's gRPC status into the HTTP error vLLM's server gives for the same input.
 
-    `param_names` maps the proto field the worker names to the request field the client sent.
+    The status's rich details (protos/errors.proto) give the field and the reason; the message is only
+    shown. `param_names` maps the proto field the worker names to the request field the client sent.
     """
     status = _GRPC_TO_HTTP.get(error.code(), 500)
-    param = None
-    for key, value in error.trailing_metadata() or ():
-        if key == ERROR_PARAM_KEY:
-            param = value if isinstance(value, str) else value.decode()
+    details = details_of(error)
+    param = details.field
     if param and param_names:
         param = param_names.get(param, param)
     message = error.details() or error.code().name

@@ -22,11 +22,39 @@ def _logprob(value: float) -> float:
     return _LOGPROB_FLOOR if math.isnan(value) or value < _LOGPROB_FLOOR else value
 
 
+# The proto's finish reasons as OpenAI (and vLLM) spell them; UNSPECIFIED (still running) is absent.
+FINISH_REASONS: dict[int, str] = {
+    engine_pb2.FINISH_REASON_STOP: "stop",
+    engine_pb2.FINISH_REASON_LENGTH: "length",
+    engine_pb2.FINISH_REASON_ABORT: "abort",
+    engine_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls",
+    engine_pb2.FINISH_REASON_ERROR: "error",
+    engine_pb2.FINISH_REASON_REPETITION: "repetition",
+}
+
+
+def finish_reason(value: int) -> str | None:
+    """None while the choice runs."""
+    return FINISH_REASONS.get(value)
+
+
+def delta_text(delta: engine_pb2.ChoiceDelta) -> str:
+    """The model's own text in a delta, whichever output variant carries it."""
+    match delta.WhichOneof("output"):
+        case "text":
+            return delta.text
+        case "parsed":
+            return delta.parsed.raw_text
+        case _:
+            return ""
+
+
 class EngineStream:
     """One Generate call, with the worker's load accounted and its errors as APIError.
 
-    `first()` waits for the first message that carries output, so that every error the worker finds
-    before generating (bad field, unknown model, prompt too long) still becomes an HTTP status.
+    `first()` waits for the stream's first message (`started`, sent once the engine has run the
+    prompt), so that every error the worker finds before generating (bad field, unknown model, prompt
+    too long) still becomes an HTTP status.
     """
 
     def __init__(self, client: EngineClient, request: engine_pb2.GenerateRequest,
@@ -56,7 +84,7 @@ class EngineStream:
             if message is None:
                 return
             self._pending.append(message)
-            if message.choices or message.HasField("usage"):
+            if message.WhichOneof("phase") is not None:
                 return
 
     async def messages(self) -> AsyncIterator[engine_pb2.GenerateResponse]:
@@ -90,13 +118,13 @@ class ChoiceState:
     parsed: engine_pb2.ParsedChoice | None = None
 
     def add(self, delta: engine_pb2.ChoiceDelta) -> None:
-        self.text += delta.text
-        if delta.HasField("parsed"):
-            self.parsed = delta.parsed
+        self.text += delta_text(delta)
+        if delta.WhichOneof("output") == "parsed" and delta.parsed.HasField("whole"):
+            self.parsed = delta.parsed.whole
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
         if delta.finish_reason:
-            self.finish_reason = delta.finish_reason
+            self.finish_reason = finish_reason(delta.finish_reason)
             self.stop_reason = stop_reason(delta)
 
 
@@ -167,23 +195,40 @@ def completion_logprobs(items: list[engine_pb2.TokenLogprob], text_of: TokenText
             "text_offset": offsets}
 
 
+def prompt_logprobs_json(entries: Iterable[engine_pb2.PromptTokenLogprobs]) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first, which has no context) or
+    {token_id: {"logprob", "rank", "decoded_token"}}, -inf clamped as vLLM's server does."""
+    return [
+        {str(c.token_id): {"logprob": _logprob(c.logprob), "rank": c.rank, "decoded_token": c.token}
+         for c in entry.candidates} or None
+        for entry in entries
+    ]
+
+
 @dataclass
 class Collected:
     choices: list[ChoiceState]
     usage: engine_pb2.Usage | None
     prompt_token_ids: list[int]
+    prompt_logprobs: list[engine_pb2.PromptTokenLogprobs] = field(default_factory=list)
 
 
 async def collect(stream: EngineStream, n: int) -> Collected:
-    """Reads a whole stream into its choices, usage and prompt tokens."""
+    """Reads a whole stream into its choices, usage, prompt tokens and prompt logprobs."""
     result = Collected([ChoiceState(i) for i in range(n)], None, [])
     async for message in stream.messages():
-        if message.prompt_token_ids.ids:
-            result.prompt_token_ids = list(message.prompt_token_ids.ids)
-        for delta in message.choices:
-            if delta.index >= n:
-                raise APIError(500, f"the engine sent choice {delta.index} of {n}")
-            result.choices[delta.index].add(delta)
-        if message.HasField("usage"):
-            result.usage = message.usage
+        match message.WhichOneof("phase"):
+            case "started":
+                result.prompt_token_ids = list(message.started.prompt_token_ids)
+                result.prompt_logprobs = list(message.started.prompt_logprobs)
+            case "delta":
+                for delta in message.delta.choices:
+                    if delta.index >= n:
+                        raise APIError(500, f"the engine sent choice {delta.index} of {n}")
+                    result.choices[delta.index].add(delta)
+            case "finished":
+                result.usage = message.finished.usage
+            case _:
+                # A phase this gateway does not know: a newer worker; failing loudly beats a wrong answer.
+                raise APIError(500, "the engine sent a message of no phase this gateway knows")
     return result

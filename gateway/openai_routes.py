@@ -26,6 +26,8 @@ from .from_engine import (
     chat_logprobs,
     collect,
     completion_logprobs,
+    finish_reason,
+    prompt_logprobs_json,
     stop_reason,
     usage_json,
 )
@@ -82,14 +84,16 @@ def _tool_call_delta(call: engine_pb2.ToolCallDelta) -> dict[str, Any]:
     return out
 
 
-def _chat_delta(message: engine_pb2.GenerateResponse, delta: engine_pb2.ChoiceDelta) -> dict[str, Any]:
-    if not message.tool_calls_parsed:
+def _chat_delta(delta: engine_pb2.ChoiceDelta) -> dict[str, Any]:
+    """The OpenAI delta: the text as it is, or, where the worker parsed tool calls, its parse."""
+    if delta.WhichOneof("output") != "parsed":
         return {"content": delta.text} if delta.text else {}
+    parsed = delta.parsed
     out: dict[str, Any] = {}
-    if delta.HasField("content"):
-        out["content"] = delta.content
-    if delta.tool_calls:
-        out["tool_calls"] = [_tool_call_delta(call) for call in delta.tool_calls]
+    if parsed.HasField("content"):
+        out["content"] = parsed.content
+    if parsed.tool_calls:
+        out["tool_calls"] = [_tool_call_delta(call) for call in parsed.tool_calls]
     return out
 
 
@@ -99,7 +103,7 @@ def _chat_message(role: str, c: ChoiceState) -> tuple[dict[str, Any], str | None
         return {"role": role, "content": c.text, "tool_calls": []}, c.finish_reason
     content = c.parsed.content if c.parsed.HasField("content") else None
     message = {"role": role, "content": content, "tool_calls": [_tool_call(t) for t in c.parsed.tool_calls]}
-    return message, c.parsed.finish_reason or c.finish_reason
+    return message, finish_reason(c.parsed.finish_reason) or c.finish_reason
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -200,6 +204,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                                     "model": model, "choices": choices, "usage": usage_json(result.usage)}
         if body.return_token_ids:
             response["prompt_token_ids"] = result.prompt_token_ids
+        if body.prompt_logprobs is not None:
+            # vLLM's server puts a chat's prompt logprobs on the response, not on a choice.
+            response["prompt_logprobs"] = prompt_logprobs_json(result.prompt_logprobs)
         return response
 
     return await _unless_disconnected(request, whole())
@@ -212,34 +219,40 @@ async def _chat_chunks(stream: EngineStream, request_id: str, model: str, create
         return _chunk("chat.completion.chunk", request_id, created, model, choices, include_usage, usage)
 
     completion_tokens = 0
+    prompt_tokens = 0
     try:
         for i in range(n):
             yield chunk([{"index": i, "delta": {"role": role, "content": ""}, "logprobs": None,
                           "finish_reason": None}])
         async for message in stream.messages():
-            choices = []
-            for delta in message.choices:
-                completion_tokens += len(delta.token_ids)
-                content = _chat_delta(message, delta)
-                if not content and not delta.finish_reason and not delta.logprobs:
-                    continue
-                choices.append({
-                    "index": delta.index,
-                    "delta": content,
-                    "logprobs": chat_logprobs(list(delta.logprobs), text_of) if delta.logprobs else None,
-                    "finish_reason": delta.finish_reason or None,
-                    **({"stop_reason": stop_reason(delta)} if delta.finish_reason else {}),
-                    **({"token_ids": list(delta.token_ids)} if token_ids else {}),
-                })
-            running_usage = None
-            if continuous and message.prompt_token_ids.ids:
-                running_usage = {"prompt_tokens": len(message.prompt_token_ids.ids),
-                                 "completion_tokens": completion_tokens,
-                                 "total_tokens": len(message.prompt_token_ids.ids) + completion_tokens}
-            if choices:
-                yield chunk(choices, running_usage)
-            if message.HasField("usage") and include_usage:
-                yield chunk([], usage_json(message.usage))
+            match message.WhichOneof("phase"):
+                case "started":
+                    prompt_tokens = len(message.started.prompt_token_ids)
+                case "finished":
+                    if include_usage:
+                        yield chunk([], usage_json(message.finished.usage))
+                case "delta":
+                    choices = []
+                    for delta in message.delta.choices:
+                        completion_tokens += len(delta.token_ids)
+                        content = _chat_delta(delta)
+                        if not content and not delta.finish_reason and not delta.logprobs:
+                            continue
+                        choices.append({
+                            "index": delta.index,
+                            "delta": content,
+                            "logprobs": chat_logprobs(list(delta.logprobs), text_of) if delta.logprobs else None,
+                            "finish_reason": finish_reason(delta.finish_reason),
+                            **({"stop_reason": stop_reason(delta)} if delta.finish_reason else {}),
+                            **({"token_ids": list(delta.token_ids)} if token_ids else {}),
+                        })
+                    # continuous_usage_stats: every chunk carries the usage so far, as in vLLM's server.
+                    running_usage = None
+                    if continuous:
+                        running_usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                         "total_tokens": prompt_tokens + completion_tokens}
+                    if choices:
+                        yield chunk(choices, running_usage)
     except APIError as error:
         yield _sse_error(error)
     yield _DONE
@@ -312,6 +325,9 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                 if body.return_token_ids:
                     choice["token_ids"] = c.token_ids
                     choice["prompt_token_ids"] = result.prompt_token_ids
+                if body.prompt_logprobs is not None:
+                    # vLLM's server puts a completion's prompt logprobs on each choice.
+                    choice["prompt_logprobs"] = prompt_logprobs_json(result.prompt_logprobs)
                 choices.append(choice)
         return {"id": request_id, "object": "text_completion", "created": created, "model": model,
                 "choices": choices, "usage": usage}
@@ -364,21 +380,25 @@ async def _completion_chunks(streams: list[EngineStream], echoes: list[str], req
             if isinstance(item, APIError):
                 yield _sse_error(item)
                 continue
-            choices = []
-            for delta in item.choices:
-                key = (prompt_index, delta.index)
-                state = ChoiceState(delta.index)
-                state.add(delta)
-                choice = _completion_choice(prompt_index * n + delta.index, delta.text, state, text_of,
-                                            logprobs, offsets[key])
-                if token_ids:
-                    choice["token_ids"] = list(delta.token_ids)
-                choices.append(choice)
-                offsets[key] += len(delta.text)
-            if choices:
-                yield chunk(choices)
-            if item.HasField("usage"):
-                usage = add_usage(usage, usage_json(item.usage))
+            match item.WhichOneof("phase"):
+                case "finished":
+                    usage = add_usage(usage, usage_json(item.finished.usage))
+                case "delta":
+                    choices = []
+                    for delta in item.delta.choices:
+                        key = (prompt_index, delta.index)
+                        state = ChoiceState(delta.index)
+                        state.add(delta)
+                        choice = _completion_choice(prompt_index * n + delta.index, state.text, state, text_of,
+                                                    logprobs, offsets[key])
+                        if token_ids:
+                            choice["token_ids"] = list(delta.token_ids)
+                        choices.append(choice)
+                        offsets[key] += len(state.text)
+                    if choices:
+                        yield chunk(choices)
+                case _:
+                    pass  # `started`: nothing a completion stream shows (prompt logprobs are refused there)
         if include_usage:
             yield chunk([], usage)
         yield _DONE

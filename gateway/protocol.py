@@ -107,6 +107,8 @@ class SamplingFields(_Lenient):
     request_id: str | None = None
     # vLLM's extension: token ids of the prompt and of each choice in the response.
     return_token_ids: bool | None = False
+    # vLLM's extension: each prompt token's log-probability and this many alternatives (not with stream).
+    prompt_logprobs: int | None = None
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
+
+from google.protobuf import json_format, struct_pb2
 
 from protos import engine_pb2
 
@@ -31,14 +33,24 @@ def _stop_list(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
-def _schema_text(value: str | dict[str, Any], param: str) -> str:
+def _struct(value: dict[str, Any], param: str) -> struct_pb2.Struct:
+    """A JSON object as a Struct; a value JSON cannot carry (NaN from a JSON string, say) names `param`."""
+    try:
+        return json_format.ParseDict(value, struct_pb2.Struct())
+    except (json_format.ParseError, TypeError, ValueError) as error:
+        raise bad_request(f"{param} is not a JSON object: {error}", param) from None
+
+
+def _schema(value: str | dict[str, Any], param: str) -> struct_pb2.Struct:
+    """A JSON schema, sent as an object or (as vLLM also takes it) as JSON text."""
     if isinstance(value, str):
         try:
-            json.loads(value)
+            value = json.loads(value)
         except ValueError as error:
             raise bad_request(f"{param} is not valid JSON: {error}", param) from None
-        return value
-    return json.dumps(value)
+    if not isinstance(value, dict):
+        raise bad_request(f"{param} must be a JSON object (a JSON schema)", param)
+    return _struct(value, param)
 
 
 def _constraints(prefix: str, json_: str | dict[str, Any] | None, regex: str | None, choice: list[str] | None,
@@ -47,7 +59,7 @@ def _constraints(prefix: str, json_: str | dict[str, Any] | None, regex: str | N
     `guided_*`), each with the field name to blame."""
     found = []
     if json_ is not None:
-        found.append((f"{prefix}json", engine_pb2.StructuredOutput(json_schema=_schema_text(json_, f"{prefix}json"))))
+        found.append((f"{prefix}json", engine_pb2.StructuredOutput(json_schema=_schema(json_, f"{prefix}json"))))
     if regex is not None:
         found.append((f"{prefix}regex", engine_pb2.StructuredOutput(regex=regex)))
     if choice is not None:
@@ -71,7 +83,7 @@ def _structured_output(body: SamplingFields) -> engine_pb2.StructuredOutput | No
         if rf.json_schema is None or rf.json_schema.json_schema is None:
             raise bad_request("response_format.json_schema.schema is required", "response_format")
         kinds.append(("response_format", engine_pb2.StructuredOutput(
-            json_schema=json.dumps(rf.json_schema.json_schema))))
+            json_schema=_struct(rf.json_schema.json_schema, "response_format"))))
     if not kinds:
         return None
     if len(kinds) > 1:
@@ -94,6 +106,10 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
 
 
 def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> engine_pb2.SamplingParams:
+    prompt_logprobs = body.prompt_logprobs
+    if body.stream and prompt_logprobs is not None and (prompt_logprobs > 0 or prompt_logprobs == -1):
+        # As vLLM's server: a stream has no place for them.
+        raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
     params = engine_pb2.SamplingParams(
         stop=_stop_list(body.stop),
         stop_token_ids=body.stop_token_ids or [],
@@ -113,6 +129,8 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
         params.max_tokens = max_tokens
     if logprobs is not None:
         params.logprobs = logprobs
+    if prompt_logprobs is not None:
+        params.prompt_logprobs = prompt_logprobs
     for token, bias in _logit_bias(body.logit_bias).items():
         params.logit_bias[token] = bias
     structured = _structured_output(body)
@@ -154,11 +172,17 @@ def chat_input(
     chat = engine_pb2.ChatInput(
         messages=chat_messages(messages),
         continue_final_message=bool(continue_final_message),
-        chat_template_kwargs_json=json.dumps(chat_template_kwargs) if chat_template_kwargs else "",
-        # An empty list is passed on: the worker refuses it by name, as vLLM does.
-        tools_json=json.dumps(tools) if tools is not None else "",
-        tool_choice_json=json.dumps(tool_choice) if tool_choice is not None else "",
     )
+    if chat_template_kwargs:
+        chat.chat_template_kwargs.CopyFrom(_struct(chat_template_kwargs, "chat_template_kwargs"))
+    if tools is not None:
+        # An empty list is passed on: the worker refuses it by name, as vLLM does.
+        try:
+            chat.tools.CopyFrom(json_format.ParseDict(cast(Any, tools), struct_pb2.ListValue()))
+        except (json_format.ParseError, TypeError, ValueError) as error:
+            raise bad_request(f"tools: {error}", "tools") from None
+    if tool_choice is not None:
+        chat.tool_choice.CopyFrom(json_format.ParseDict(cast(Any, tool_choice), struct_pb2.Value()))
     if parallel_tool_calls is not None:
         chat.parallel_tool_calls = parallel_tool_calls
     if add_generation_prompt is not None:

@@ -70,39 +70,48 @@ class EngineServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Streams one GenerateResponse per engine step that produced output, then ends.
+        """Streams the request's phases: one GenerateResponse.started, then a GenerateResponse.delta per
+        engine step that produced output, then one GenerateResponse.finished, then the stream ends.
         Cancelling the call (or passing its deadline) aborts the request in the engine.
+        Codes: INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, ALREADY_EXISTS, UNAVAILABLE, UNAUTHENTICATED;
+        all of them before `started`, except INVALID_ARGUMENT for what vLLM refuses once the request runs
+        and UNAVAILABLE for an engine that dies mid-stream.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Codes: INVALID_ARGUMENT (FIELD_REQUIRED, field `request_id`), UNAUTHENTICATED.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetModelInfo(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Codes: UNAUTHENTICATED.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetLoad(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Codes: UNAUTHENTICATED.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Tokenize(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Codes: INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAUTHENTICATED.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Detokenize(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Codes: INVALID_ARGUMENT (TOKEN_OUT_OF_VOCABULARY, field `token_ids`), NOT_FOUND, UNAUTHENTICATED.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

@@ -72,6 +72,7 @@ class KVBlockStoreServicer:
     def Lookup(self, request, context):
         """How many leading blocks of a chain (head first) the store holds. Counts one use of every key
         (see --apc-offload-min-access-threshold) and marks the held ones recently used.
+        Codes: INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -81,6 +82,7 @@ class KVBlockStoreServicer:
         """Stores blocks. Each block starts with a chunk carrying its header; its bytes follow in chunks of
         at most 1 MiB (the header chunk may carry the first bytes). A block is stored once all its bytes
         arrived and its checksum matches; an error ends the stream, keeping the blocks completed before.
+        Codes: INVALID_ARGUMENT, DATA_LOSS, RESOURCE_EXHAUSTED, FAILED_PRECONDITION (window chunks).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -89,14 +91,16 @@ class KVBlockStoreServicer:
     def GetBlocks(self, request, context):
         """Streams blocks: a first message with every block's header, then the bytes in chunks of at most
         1 MiB. NOT_FOUND, before any bytes, when a key is not held. While a call streams, its blocks are
-        never evicted.
+        never evicted. Codes: INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION and RESOURCE_EXHAUSTED
+        (with a window).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Stats(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Codes: none of its own.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -110,7 +114,9 @@ class KVBlockStoreServicer:
         FAILED_PRECONDITION says the window is not reachable from the service (no such file, another
         file, a wrong nonce): the client then sends bytes over gRPC. The service keeps the 64 most
         recently used windows and drops one unused for 10 minutes; a call naming a dropped window gets
-        FAILED_PRECONDITION and the client attaches a new one.
+        FAILED_PRECONDITION (WINDOW_NOT_FOUND) and the client attaches a new one. Codes: INVALID_ARGUMENT
+        (FIELD_INVALID), FAILED_PRECONDITION (WINDOW_UNREACHABLE, WINDOW_IO_FAILED), RESOURCE_EXHAUSTED
+        (WINDOW_IO_FAILED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -18,11 +18,12 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cache_service.block_store import BLOCK_OVERHEAD_BYTES, BlockStore, PutOutcome
-from engine_worker.kv_offload.client import BlockPayload, KVBlockClient
+from engine_worker.kv_offload.client import BlockPayload, KVBlockClient, window_gone
 from engine_worker.kv_offload.hashing import chain_keys, engine_salt, request_salt
 from engine_worker.kv_offload.transfer import KVLayout, LayerwiseLoad, byte_view
 from engine_worker.kv_offload.window import SaveRing, ShmWindow
-from protos import kv_cache_pb2, kv_cache_pb2_grpc
+from protos import kv_cache_pb2, kv_cache_pb2_grpc, rich_status
+from protos.rich_status import ErrorDetails, Reason
 
 from .support import ROOT, Process, free_port, start, wait_until
 
@@ -240,6 +241,8 @@ def test_bad_puts_get_precise_errors_and_the_service_stays_up(
         stub: kv_cache_pb2_grpc.KVBlockStoreStub, chunks: object, code: grpc.StatusCode, words: str) -> None:
     error = _error(lambda: stub.PutBlocks(chunks()))  # type: ignore[operator]
     assert error.code() == code and words in (error.details() or ""), error.details()
+    details = rich_status.details_of(error)
+    assert details.field and Reason.Value(details.reason or "ERROR_REASON_UNSPECIFIED"), details  # typed
     good = os.urandom(1000)
     assert stub.PutBlocks(_chunks(_key(f"after-{words}"), good)).num_stored == 1
 
@@ -255,8 +258,10 @@ def test_an_oversized_message_is_refused_by_grpc(stub: kv_cache_pb2_grpc.KVBlock
 def test_bad_keys_and_unknown_keys(stub: kv_cache_pb2_grpc.KVBlockStoreStub) -> None:
     error = _error(lambda: stub.Lookup(kv_cache_pb2.LookupRequest(keys=[_key("a"), b"123"])))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "keys[1]" in (error.details() or "")
+    assert rich_status.details_of(error) == ErrorDetails("FIELD_INVALID", "keys[1]")
     error = _error(lambda: list(stub.GetBlocks(kv_cache_pb2.GetBlocksRequest(keys=[_key("never stored")]))))
     assert error.code() == grpc.StatusCode.NOT_FOUND and "keys[0]" in (error.details() or "")
+    assert rich_status.details_of(error) == ErrorDetails("BLOCK_NOT_FOUND", "keys[0]")
     assert stub.Lookup(kv_cache_pb2.LookupRequest(keys=[])).num_blocks == 0
 
 
@@ -524,6 +529,9 @@ def test_the_client_reattaches_after_a_service_restart_and_falls_back_to_grpc_by
         error = _error(lambda: list(stub.GetBlocks(kv_cache_pb2.GetBlocksRequest(keys=keys[:1], window=ref))))
         assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert (error.details() or "").startswith("window.window_id")
+        # The client decides by the typed reason, not by those words.
+        assert rich_status.details_of(error) == ErrorDetails("WINDOW_NOT_FOUND", "window.window_id")
+        assert window_gone(error)
         # A put through the stale window goes again as bytes; a load attaches a fresh window.
         assert save(client, ring).num_stored == 4  # type: ignore[union-attr]
         assert ring.stale
@@ -561,3 +569,15 @@ def _start_service(name: str, argv: list[str], address: str, logs: Path) -> Proc
     stub = kv_cache_pb2_grpc.KVBlockStoreStub(grpc.insecure_channel(address))
     wait_until(process, lambda: _reachable(stub), timeout=60)
     return process
+
+
+def test_the_same_text_without_the_reason_is_not_a_decision() -> None:
+    """The worker's cache client decides by the reason, never by the message's words."""
+    words_only = grpc.aio.AioRpcError(grpc.StatusCode.FAILED_PRECONDITION, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                      details="window.window_id 7 is not attached")
+    assert not window_gone(words_only)  # type: ignore[arg-type]
+    rich = rich_status.status(grpc.StatusCode.FAILED_PRECONDITION, "gone", Reason.WINDOW_NOT_FOUND,
+                              "window.window_id")
+    typed = grpc.aio.AioRpcError(grpc.StatusCode.FAILED_PRECONDITION, grpc.aio.Metadata(),
+                                 grpc.aio.Metadata(*rich.trailing_metadata), details=rich.details)
+    assert window_gone(typed)  # type: ignore[arg-type]

@@ -26,7 +26,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos import engine_pb2, engine_pb2_grpc
+from protos import engine_pb2, engine_pb2_grpc, rich_status
 
 from .certificates import Certificates, make_certificates
 from .conftest import ENGINE_FLAGS
@@ -340,6 +340,8 @@ def test_worker_wants_the_key_over_grpc(secured: Secured) -> None:
             _grpc_call(address, lambda s, m=metadata: s.GetModelInfo(engine_pb2.GetModelInfoRequest(), metadata=m))
         assert excinfo.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert "--api-key" in excinfo.value.details()
+        refusal = rich_status.details_of(excinfo.value)
+        assert (refusal.reason, refusal.field) == ("API_KEY_INVALID", "authorization")
         with pytest.raises(grpc.RpcError) as excinfo:
             _grpc_call(address, lambda s, m=metadata: list(s.Generate(generate, metadata=m)))
         assert excinfo.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -347,7 +349,7 @@ def test_worker_wants_the_key_over_grpc(secured: Secured) -> None:
     info = _grpc_call(address, lambda s: s.GetModelInfo(engine_pb2.GetModelInfoRequest(), metadata=key))
     assert list(info.served_model_names) == ["alpha", "beta"]
     text = "".join(c.text for m in _grpc_call(address, lambda s: list(s.Generate(generate, metadata=key)))
-                   for c in m.choices)
+                   for c in m.delta.choices)
     assert "Paris" in text
     with grpc.insecure_channel(address) as channel:  # health probes need no key
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))

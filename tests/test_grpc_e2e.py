@@ -12,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from protos import engine_pb2, engine_pb2_grpc
+from protos import engine_pb2, engine_pb2_grpc, rich_status
 
 from .support import Stack
 
@@ -29,11 +29,15 @@ def _chat(text: str, **sampling: object) -> engine_pb2.GenerateRequest:
     )
 
 
-def _status(call: object) -> tuple[grpc.StatusCode, str, dict[str, str]]:
+def _status(call: object) -> tuple[grpc.StatusCode, str, rich_status.ErrorDetails]:
     with pytest.raises(grpc.RpcError) as excinfo:
         list(call)  # type: ignore[call-overload]
     error = excinfo.value
-    return error.code(), error.details(), dict(error.trailing_metadata() or ())
+    return error.code(), error.details(), rich_status.details_of(error)
+
+
+def _choices(messages: list[engine_pb2.GenerateResponse]) -> list[engine_pb2.ChoiceDelta]:
+    return [d for m in messages if m.WhichOneof("phase") == "delta" for d in m.delta.choices]
 
 
 def _wait_load(engine: engine_pb2_grpc.EngineStub, running: int, streams: int,
@@ -55,15 +59,18 @@ def _wait_idle(engine: engine_pb2_grpc.EngineStub) -> engine_pb2.Load:
 
 def test_generate_streams_tokens(engine: engine_pb2_grpc.EngineStub) -> None:
     messages = list(engine.Generate(_chat("What is the capital of France?", temperature=0, max_tokens=20)))
-    assert len(messages) > 2, "one message per engine step, not one at the end"
-    text = "".join(d.text for m in messages for d in m.choices)
-    tokens = [t for m in messages for d in m.choices for t in d.token_ids]
+    assert len(messages) > 2 + 2, "one message per engine step, not one at the end"
+    phases = [m.WhichOneof("phase") for m in messages]
+    assert phases[0] == "started" and phases[-1] == "finished" and set(phases[1:-1]) == {"delta"}, phases
+    text = "".join(d.text for d in _choices(messages))
+    tokens = [t for d in _choices(messages) for t in d.token_ids]
     assert "Paris" in text
-    assert messages[0].prompt_token_ids.ids, "the first message carries the prompt's token ids"
+    assert messages[0].started.prompt_token_ids, "the first message carries the prompt's token ids"
+    assert not messages[0].started.prompt_logprobs, "prompt logprobs only when asked for"
     last = messages[-1]
-    assert last.HasField("usage") and last.usage.completion_tokens == len(tokens)
-    assert last.choices[-1].finish_reason == "stop"
-    assert all(not m.HasField("usage") for m in messages[:-1])
+    assert last.finished.usage.completion_tokens == len(tokens)
+    assert _choices(messages)[-1].finish_reason == engine_pb2.FINISH_REASON_STOP
+    assert last.finished.usage.prompt_tokens == len(messages[0].started.prompt_token_ids)
 
 
 def test_token_ids_input_matches_text_input(engine: engine_pb2_grpc.EngineStub) -> None:
@@ -72,10 +79,10 @@ def test_token_ids_input_matches_text_input(engine: engine_pb2_grpc.EngineStub) 
     by_text = list(engine.Generate(engine_pb2.GenerateRequest(text="The capital of France is", sampling=sampling)))
     by_ids = list(engine.Generate(engine_pb2.GenerateRequest(token_ids=engine_pb2.TokenIds(ids=ids),
                                                              sampling=sampling)))
-    tokens = [[t for m in run for d in m.choices for t in d.token_ids] for run in (by_text, by_ids)]
+    tokens = [[t for d in _choices(run) for t in d.token_ids] for run in (by_text, by_ids)]
     assert tokens[0] == tokens[1] and len(tokens[0]) == 8
     detok = engine.Detokenize(engine_pb2.DetokenizeRequest(token_ids=tokens[0])).text
-    assert detok == "".join(d.text for m in by_text for d in m.choices)
+    assert detok == "".join(d.text for d in _choices(by_text))
 
 
 def test_model_info_and_load(engine: engine_pb2_grpc.EngineStub) -> None:
@@ -108,21 +115,25 @@ def test_health_and_reflection(stack: Stack) -> None:
 )
 def test_bad_fields_are_invalid_argument_naming_the_field(engine: engine_pb2_grpc.EngineStub,
                                                           sampling: dict[str, object], field: str) -> None:
-    code, details, metadata = _status(engine.Generate(_chat("hi", **sampling)))
+    code, details, typed = _status(engine.Generate(_chat("hi", **sampling)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
-    assert metadata.get("taco-error-param") == field
+    assert typed.field == field
+    assert typed.reason == ("TOKEN_OUT_OF_VOCABULARY" if field == "stop_token_ids" else "FIELD_INVALID")
     assert field in details
 
 
 def test_missing_input_unknown_model_and_too_long(engine: engine_pb2_grpc.EngineStub) -> None:
-    code, details, metadata = _status(engine.Generate(engine_pb2.GenerateRequest(model=MODEL)))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and metadata["taco-error-param"] == "input"
-    code, details, metadata = _status(engine.Generate(engine_pb2.GenerateRequest(model="other", text="hi")))
-    assert code == grpc.StatusCode.NOT_FOUND and "other" in details and metadata["taco-error-param"] == "model"
-    code, details, _ = _status(engine.Generate(engine_pb2.GenerateRequest(text="hello " * 3000)))
+    code, details, typed = _status(engine.Generate(engine_pb2.GenerateRequest(model=MODEL)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and typed == rich_status.ErrorDetails("FIELD_REQUIRED", "input")
+    code, details, typed = _status(engine.Generate(engine_pb2.GenerateRequest(model="other", text="hi")))
+    assert code == grpc.StatusCode.NOT_FOUND and "other" in details and typed.field == "model"
+    assert typed.reason == "MODEL_NOT_FOUND"
+    code, details, typed = _status(engine.Generate(engine_pb2.GenerateRequest(text="hello " * 3000)))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "context length" in details
-    code, _, metadata = _status(engine.Generate(engine_pb2.GenerateRequest(token_ids=engine_pb2.TokenIds(ids=[10**6]))))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and metadata["taco-error-param"] == "token_ids"
+    assert typed == rich_status.ErrorDetails("PROMPT_TOO_LONG", "text")
+    code, _, typed = _status(engine.Generate(engine_pb2.GenerateRequest(token_ids=engine_pb2.TokenIds(ids=[10**6]))))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and typed.field == "token_ids"
+    assert typed.reason == "TOKEN_OUT_OF_VOCABULARY"
     # Still serving.
     assert list(engine.Generate(_chat("hi", temperature=0, max_tokens=3)))
 
@@ -154,11 +165,11 @@ def test_deadline_aborts_the_request(engine: engine_pb2_grpc.EngineStub) -> None
 def test_abort_rpc_ends_a_running_request(engine: engine_pb2_grpc.EngineStub) -> None:
     request = _chat("Count to a thousand.", max_tokens=1500, ignore_eos=True)
     request.request_id = "abort-me"
-    finish: list[str] = []
+    finish: list[int] = []
 
     def consume() -> None:
         for message in engine.Generate(request):
-            finish.extend(d.finish_reason for d in message.choices if d.finish_reason)
+            finish.extend(d.finish_reason for d in message.delta.choices if d.finish_reason)
 
     thread = threading.Thread(target=consume)
     thread.start()
@@ -167,7 +178,7 @@ def test_abort_rpc_ends_a_running_request(engine: engine_pb2_grpc.EngineStub) ->
         time.sleep(0.1)
     assert engine.Abort(engine_pb2.AbortRequest(request_id="abort-me")).aborted
     thread.join(30)
-    assert finish == ["abort"]
+    assert finish == [engine_pb2.FINISH_REASON_ABORT]
     assert not engine.Abort(engine_pb2.AbortRequest(request_id="abort-me")).aborted
 
 
@@ -185,3 +196,36 @@ def test_http_client_disconnect_aborts_the_engine_request(stack: Stack,
         assert load.num_running_requests == 1 and load.num_active_streams == 1, load
     load = _wait_idle(engine)
     assert load.num_running_requests == 0 and load.num_active_streams == 0
+
+
+def test_prompt_logprobs_come_in_the_started_phase(engine: engine_pb2_grpc.EngineStub) -> None:
+    request = engine_pb2.GenerateRequest(text="The capital of France is",
+                                         sampling=engine_pb2.SamplingParams(temperature=0, max_tokens=2,
+                                                                            prompt_logprobs=2))
+    messages = list(engine.Generate(request))
+    started = messages[0].started
+    prompt = list(started.prompt_token_ids)
+    entries = list(started.prompt_logprobs)
+    assert len(entries) == len(prompt) and not entries[0].candidates, "the first token has no context"
+    for token, entry in zip(prompt[1:], entries[1:], strict=True):
+        assert entry.candidates[0].token_id == token, "the prompt's own token comes first"
+        assert entry.candidates[0].rank >= 1 and entry.candidates[0].logprob <= 0.0
+        ranked = {c.rank for c in entry.candidates}
+        assert {1, 2} <= ranked and len(entry.candidates) <= 3
+
+
+def test_typed_errors_for_a_running_request_id_and_abort(engine: engine_pb2_grpc.EngineStub) -> None:
+    request = _chat("Count to a thousand.", max_tokens=1500, ignore_eos=True)
+    request.request_id = "twice"
+    first = engine.Generate(request)
+    try:
+        assert next(first).WhichOneof("phase") == "started"
+        code, details, typed = _status(engine.Generate(request))
+        assert code == grpc.StatusCode.ALREADY_EXISTS and "twice" in details
+        assert typed == rich_status.ErrorDetails("REQUEST_ID_IN_USE", "request_id")
+    finally:
+        first.cancel()
+    with pytest.raises(grpc.RpcError) as excinfo:
+        engine.Abort(engine_pb2.AbortRequest())
+    assert rich_status.details_of(excinfo.value) == rich_status.ErrorDetails("FIELD_REQUIRED", "request_id")
+    _wait_idle(engine)

@@ -57,10 +57,10 @@ def generate(stub: engine_pb2_grpc.EngineStub, prompt: list[int], max_tokens: in
     request = engine_pb2.GenerateRequest(token_ids=engine_pb2.TokenIds(ids=prompt),
                                          sampling=engine_pb2.SamplingParams(temperature=0, max_tokens=max_tokens))
     for message in stub.Generate(request, timeout=300):
-        for choice in message.choices:
+        for choice in message.delta.choices:
             out += list(choice.token_ids)
-        if message.HasField("usage"):
-            cached = message.usage.cached_prompt_tokens
+        if message.HasField("finished"):
+            cached = message.finished.usage.cached_prompt_tokens
     return out, cached
 
 

@@ -258,3 +258,32 @@ def test_tokenize_detokenize_health_version(stack: Stack) -> None:
     version = httpx.get(f"{stack.base_url}/version").json()
     assert version["vllm"].startswith("0.32")
     assert "taco_llm_gateway_requests_total" in httpx.get(f"{stack.base_url}/metrics").text
+
+
+def _check_prompt_logprobs(entries: list[dict[str, dict[str, object]] | None], prompt_ids: list[int],
+                           top: int) -> None:
+    """vLLM's shape: None for the first token, then {token_id: {logprob, rank, decoded_token}} with the
+    prompt's own token and the `top` likeliest."""
+    assert len(entries) == len(prompt_ids) and entries[0] is None
+    for token, entry in zip(prompt_ids[1:], entries[1:], strict=True):
+        assert entry is not None and str(token) in entry and len(entry) <= top + 1
+        for value in entry.values():
+            assert set(value) == {"logprob", "rank", "decoded_token"}
+            assert isinstance(value["rank"], int) and float(value["logprob"]) <= 0.0  # type: ignore[arg-type]
+
+
+def test_prompt_logprobs_over_http_as_vllm_returns_them(client: openai.OpenAI) -> None:
+    completion = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=2,
+                                           temperature=0, extra_body={"prompt_logprobs": 2, "return_token_ids": True})
+    choice = completion.choices[0].model_extra or {}
+    _check_prompt_logprobs(choice["prompt_logprobs"], choice["prompt_token_ids"], 2)
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, temperature=0,
+                                          extra_body={"prompt_logprobs": 1, "return_token_ids": True})
+    extra = chat.model_extra or {}  # a chat's prompt logprobs are on the response, as in vLLM
+    _check_prompt_logprobs(extra["prompt_logprobs"], extra["prompt_token_ids"], 1)
+    plain = client.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+    assert "prompt_logprobs" not in (plain.choices[0].model_extra or {})
+    with pytest.raises(openai.BadRequestError) as excinfo:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, stream=True,
+                                  extra_body={"prompt_logprobs": 1})
+    assert _error(excinfo)["param"] == "prompt_logprobs"

@@ -14,6 +14,7 @@ import grpc
 import jsonschema
 import openai
 import pytest
+from google.protobuf import json_format, struct_pb2
 
 from protos import engine_pb2, engine_pb2_grpc
 
@@ -175,23 +176,25 @@ def test_without_a_parser_tool_choice_none_answers_in_text(client: openai.OpenAI
 
 
 def test_grpc_clients_get_the_parsed_calls(frontend_stack: Stack) -> None:
-    """Straight to the worker: tool_choice as JSON in, content/tool-call fragments and the whole parse out."""
+    """Straight to the worker: tools and tool_choice as JSON values in, content/tool-call fragments and the
+    whole parse out."""
     request = engine_pb2.GenerateRequest(
         chat=engine_pb2.ChatInput(
             messages=[engine_pb2.ChatMessage(role="user", content=QUESTION[0]["content"])],
-            tools_json=json.dumps([WEATHER]), tool_choice_json=json.dumps(NAMED),
+            tools=json_format.ParseDict([WEATHER], struct_pb2.ListValue()),
+            tool_choice=json_format.ParseDict(NAMED, struct_pb2.Value()),
         ),
         sampling=engine_pb2.SamplingParams(temperature=0, max_tokens=60),
     )
     with grpc.insecure_channel(frontend_stack.grpc_address) as channel:
         messages = list(engine_pb2_grpc.EngineStub(channel).Generate(request))
-    assert messages and all(m.tool_calls_parsed for m in messages)
-    deltas = [d for m in messages for d in m.choices]
-    fragments = [c for d in deltas for c in d.tool_calls]
+    deltas = [d for m in messages for d in m.delta.choices]
+    assert deltas and all(d.WhichOneof("output") == "parsed" for d in deltas)
+    fragments = [c for d in deltas for c in d.parsed.tool_calls]
     assert fragments[0].function_name == "get_weather" and fragments[0].id
-    raw = "".join(d.text for d in deltas)
-    assert raw.startswith("<tool_call>")  # the model's own text stays in `text`
+    raw = "".join(d.parsed.raw_text for d in deltas)
+    assert raw.startswith("<tool_call>")  # the model's own text stays in `raw_text`
     (last,) = [d for d in deltas if d.finish_reason]
-    (call,) = last.parsed.tool_calls
+    (call,) = last.parsed.whole.tool_calls
     assert call.function_name == "get_weather"
     assert json.loads(call.function_arguments) == json.loads("".join(f.function_arguments for f in fragments))

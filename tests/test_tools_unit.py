@@ -8,9 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from google.protobuf import json_format, struct_pb2
 
 from engine_worker.sampling import InvalidField
-from engine_worker.tools import ToolCalling, ToolRequest, tool_parser_class, tool_parser_names
+from engine_worker.tools import ToolCalling, ToolRequest, tool_parser_class
+from engine_worker.vllm_internals import tool_parser_names
 from protos import engine_pb2
 
 WEATHER = {"type": "function", "function": {
@@ -24,7 +26,7 @@ HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris
 
 @pytest.fixture(scope="module")
 def tokenizer(model_dir: Path) -> Any:
-    from vllm.tokenizers import get_tokenizer
+    from engine_worker.vllm_internals import get_tokenizer
 
     return get_tokenizer(str(model_dir))
 
@@ -35,7 +37,9 @@ def hermes(tokenizer: Any) -> ToolCalling:
 
 
 def _chat(tool_choice: Any = None, parallel: bool | None = None) -> engine_pb2.ChatInput:
-    chat = engine_pb2.ChatInput(tool_choice_json=json.dumps(tool_choice) if tool_choice is not None else "")
+    chat = engine_pb2.ChatInput()
+    if tool_choice is not None:
+        chat.tool_choice.CopyFrom(json_format.ParseDict(tool_choice, struct_pb2.Value()))
     if parallel is not None:
         chat.parallel_tool_calls = parallel
     return chat
@@ -49,17 +53,18 @@ def _run(tools: ToolRequest, tokenizer: Any, text: str) -> tuple[list[engine_pb2
     for i, token in enumerate(ids):
         last = i == len(ids) - 1
         delta = engine_pb2.ChoiceDelta(text=tokenizer.decode([token], skip_special_tokens=False), token_ids=[token],
-                                       finish_reason="stop" if last else "")
+                                       finish_reason=engine_pb2.FINISH_REASON_STOP if last else None)
         parser.delta(delta, [1, 2, 3] if i == 0 else None, finished=last)
         deltas.append(delta)
     return deltas, deltas[-1]
 
 
 def _streamed(deltas: list[engine_pb2.ChoiceDelta]) -> tuple[str, list[dict[str, str]]]:
-    content = "".join(d.content for d in deltas if d.HasField("content"))
+    assert all(d.WhichOneof("output") == "parsed" for d in deltas)
+    content = "".join(d.parsed.content for d in deltas if d.parsed.HasField("content"))
     calls: dict[int, dict[str, str]] = {}
     for d in deltas:
-        for c in d.tool_calls:
+        for c in d.parsed.tool_calls:
             call = calls.setdefault(c.index, {"id": "", "name": "", "arguments": ""})
             call["id"] += c.id
             call["name"] += c.function_name
@@ -89,11 +94,11 @@ def test_named_choice_becomes_a_constraint_and_parses(hermes: ToolCalling, token
     assert [c["name"] for c in calls] == ["get_weather"] and calls[0]["id"].startswith("chatcmpl-tool-")
     assert json.loads(calls[0]["arguments"]) == {"city": "Paris"}
     # The first fragment names the call; the rest carry arguments only.
-    first = next(d.tool_calls[0] for d in deltas if d.tool_calls)
+    first = next(d.parsed.tool_calls[0] for d in deltas if d.parsed.tool_calls)
     assert first.type == "function" and first.function_name == "get_weather"
-    assert last.finish_reason == "stop"  # a named choice finishes with "stop", as OpenAI's
-    assert last.parsed.content == "" and last.parsed.finish_reason == "stop"
-    (whole,) = last.parsed.tool_calls
+    assert last.finish_reason == engine_pb2.FINISH_REASON_STOP  # a named choice finishes with "stop", as OpenAI's
+    assert last.parsed.whole.content == "" and last.parsed.whole.finish_reason == engine_pb2.FINISH_REASON_STOP
+    (whole,) = last.parsed.whole.tool_calls
     assert (whole.function_name, json.loads(whole.function_arguments)) == ("get_weather", {"city": "Paris"})
 
 
@@ -105,8 +110,9 @@ def test_required_choice_finishes_with_tool_calls(hermes: ToolCalling, tokenizer
     deltas, last = _run(tools, tokenizer, two)
     _, calls = _streamed(deltas)
     assert [c["name"] for c in calls] == ["get_weather", "get_time"]
-    assert last.finish_reason == "tool_calls" and last.parsed.finish_reason == "tool_calls"
-    assert [c.function_name for c in last.parsed.tool_calls] == ["get_weather", "get_time"]
+    assert last.finish_reason == engine_pb2.FINISH_REASON_TOOL_CALLS
+    assert last.parsed.whole.finish_reason == engine_pb2.FINISH_REASON_TOOL_CALLS
+    assert [c.function_name for c in last.parsed.whole.tool_calls] == ["get_weather", "get_time"]
 
 
 def test_parallel_tool_calls_false_keeps_the_first(hermes: ToolCalling, tokenizer: Any) -> None:
@@ -115,7 +121,7 @@ def test_parallel_tool_calls_false_keeps_the_first(hermes: ToolCalling, tokenize
     two = HERMES_CALL + '\n<tool_call>\n{"name": "get_time", "arguments": {"city": "Paris"}}\n</tool_call>'
     deltas, last = _run(tools, tokenizer, two)
     assert [c["name"] for c in _streamed(deltas)[1]] == ["get_weather"]
-    assert [c.function_name for c in last.parsed.tool_calls] == ["get_weather"]
+    assert [c.function_name for c in last.parsed.whole.tool_calls] == ["get_weather"]
 
 
 def test_auto_splits_content_from_the_call(hermes: ToolCalling, tokenizer: Any) -> None:
@@ -125,8 +131,9 @@ def test_auto_splits_content_from_the_call(hermes: ToolCalling, tokenizer: Any) 
     deltas, last = _run(tools, tokenizer, "Let me check. " + HERMES_CALL)
     content, calls = _streamed(deltas)
     assert content == "Let me check. " and [c["name"] for c in calls] == ["get_weather"]
-    assert last.finish_reason == "tool_calls"
-    assert last.parsed.content == "Let me check. " and last.parsed.finish_reason == "tool_calls"
+    assert last.finish_reason == engine_pb2.FINISH_REASON_TOOL_CALLS
+    assert last.parsed.whole.content == "Let me check. "
+    assert last.parsed.whole.finish_reason == engine_pb2.FINISH_REASON_TOOL_CALLS
 
 
 def test_auto_without_a_call_is_plain_content(hermes: ToolCalling, tokenizer: Any) -> None:
@@ -134,8 +141,8 @@ def test_auto_without_a_call_is_plain_content(hermes: ToolCalling, tokenizer: An
     assert tools is not None
     deltas, last = _run(tools, tokenizer, "It is sunny in Paris.")
     assert _streamed(deltas) == ("It is sunny in Paris.", [])
-    assert last.finish_reason == "stop"
-    assert last.parsed.content == "It is sunny in Paris." and not last.parsed.tool_calls
+    assert last.finish_reason == engine_pb2.FINISH_REASON_STOP
+    assert last.parsed.whole.content == "It is sunny in Paris." and not last.parsed.whole.tool_calls
 
 
 def test_tool_choice_none_is_not_parsed(hermes: ToolCalling) -> None:
@@ -157,8 +164,8 @@ def test_mistral_parser_on_mistral_style_text(model_dir: Path) -> None:
     content, calls = _streamed(deltas)
     assert content.strip() == "Sure."
     assert [c["name"] for c in calls] == ["get_weather"] and json.loads(calls[0]["arguments"]) == {"city": "Paris"}
-    assert last.finish_reason == "tool_calls"
-    (whole,) = last.parsed.tool_calls
+    assert last.finish_reason == engine_pb2.FINISH_REASON_TOOL_CALLS
+    (whole,) = last.parsed.whole.tool_calls
     assert (whole.function_name, json.loads(whole.function_arguments)) == ("get_weather", {"city": "Paris"})
 
 
@@ -182,9 +189,10 @@ def test_bad_tools_name_their_field(hermes: ToolCalling, tools: Any, choice: Any
     assert caught.value.field == field and text in str(caught.value)
 
 
-def test_tool_choice_that_is_not_json(hermes: ToolCalling) -> None:
+def test_tool_choice_of_the_wrong_json_type(hermes: ToolCalling) -> None:
+    # tool_choice is a google.protobuf.Value: text that is not JSON cannot be sent, but a number can.
     with pytest.raises(InvalidField) as caught:
-        hermes.prepare(MESSAGES, [WEATHER], engine_pb2.ChatInput(tool_choice_json="{nope"), None)
+        hermes.prepare(MESSAGES, [WEATHER], engine_pb2.ChatInput(tool_choice=struct_pb2.Value(number_value=3)), None)
     assert caught.value.field == "tool_choice"
 
 

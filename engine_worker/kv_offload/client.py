@@ -24,6 +24,7 @@ from typing import Protocol
 import grpc
 
 from protos import kv_cache_pb2, kv_cache_pb2_grpc
+from protos.rich_status import Reason, has_reason
 
 from .window import SHM_DIR, ShmWindow
 
@@ -62,9 +63,10 @@ class ChunkStream(Protocol):
 
 
 def window_gone(error: grpc.RpcError) -> bool:
-    """The service does not know the window a call named (it restarted, or dropped the window)."""
-    return error.code() == grpc.StatusCode.FAILED_PRECONDITION and (error.details() or "").startswith(
-        "window.window_id")
+    """The service does not know the window a call named (it restarted, or dropped the window): by the
+    status's typed reason (protos/errors.proto), never its message."""
+    return (error.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
+            and has_reason(error, Reason.WINDOW_NOT_FOUND))
 
 
 class Backoff:
