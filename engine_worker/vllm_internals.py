@@ -245,6 +245,8 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1.__init__": ("vllm_config", "role",
                                                                                       "kv_cache_config"),
     "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1._get_connector_metadata": ("self",),
+    "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1.get_external_cache_hit_sources": (
+        "request", "num_external_tokens"),
 }
 
 # Attributes the project reads on vLLM's objects, per "module:class" (instance attributes included).
@@ -272,8 +274,6 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
                                 "lora_request", "cache_salt"),
     "vllm.v1.kv_cache_interface:KVCacheConfig": ("num_blocks", "kv_cache_groups", "kv_cache_layout"),
     "vllm.v1.kv_cache_interface:KVCacheGroupSpec": ("kv_cache_spec", "layer_names"),
-    "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1": ("_cache_hit_source",
-                                                                             "_kv_cache_config"),
     "vllm.v1.metrics.cache_hit_source:CacheHitSource": ("HOST",),
     # current_platform is public; these are the platform hooks the worker and tests/test_sampling_fix.py call.
     "vllm.platforms.interface:Platform": ("is_cpu", "device_name", "register_triton_kernel_overrides"),

@@ -29,20 +29,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from ..vllm_internals import CacheHitSource, connector_metadata
 from .client import BlockPayload, KVBlockClient
 from .hashing import chain_keys, engine_salt, rank_key, request_salt
 from .transfer import KVLayout, LayerwiseLoad, SaveBatch, Sender, byte_view
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.forward_context import ForwardContext
-    from vllm.v1.attention.backend import AttentionMetadata
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.request import Request
+
+    from ..vllm_internals import (
+        AttentionMetadata,
+        ForwardContext,
+        KVCacheBlocks,
+        KVCacheConfig,
+        Request,
+        SchedulerOutput,
+    )
 
 logger = logging.getLogger("taco_llm.kv_offload")
 
@@ -97,10 +100,9 @@ def _settings(vllm_config: VllmConfig) -> dict[str, Any]:
 
 
 class TacoOffloadConnector(KVConnectorBase_V1):
-    _cache_hit_source = CacheHitSource.HOST
-
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._kv_config = kv_cache_config
         _ensure_logging()
         settings = _settings(vllm_config)
         address = settings.get("cache_service")
@@ -122,14 +124,16 @@ class TacoOffloadConnector(KVConnectorBase_V1):
         self._layer_index: dict[str, int] = {}
         self._load: LayerwiseLoad | None = None
         self._failed_block_ids: set[int] = set()
-        self._sender: Sender | None = None
-        if role == KVConnectorRole.WORKER:
-            self._sender = Sender(self._client)
+        self._sender: Sender | None = None  # made with the KV caches (register_kv_caches): it copies out of them
         logger.info("prefix-KV offload: %s role, cache service %s, %s loading, transport %s", role.name.lower(),
                     address, "lazy (layer by layer)" if self._lazy else "not lazy (before the forward pass)",
                     "auto (shared memory when the service can reach it)" if transport == "auto" else transport)
 
     # ---------------------------------------------------------------- scheduler role
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        # Every token this connector supplies comes from host memory (vLLM's cache-hit metrics by tier).
+        return {CacheHitSource.HOST: num_external_tokens} if num_external_tokens else {}
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         state = self._requests.get(request.request_id)
@@ -207,7 +211,7 @@ class TacoOffloadConnector(KVConnectorBase_V1):
     # ---------------------------------------------------------------- worker role
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        num_blocks = self._kv_cache_config.num_blocks
+        num_blocks = self._kv_config.num_blocks
         layers = list(kv_caches.values())
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         dims = [d for d, size in enumerate(layers[0].shape) if size == num_blocks]
@@ -215,11 +219,13 @@ class TacoOffloadConnector(KVConnectorBase_V1):
             raise ValueError(f"prefix-KV offload: cannot find the block dimension of KV caches shaped "
                              f"{tuple(layers[0].shape)} with {num_blocks} blocks")
         self._layout = KVLayout(layers, dims[0])
+        if self._sender is None:
+            self._sender = Sender(self._client, copier=self._layout.copier)
         logger.info("prefix-KV offload: %d layers of KV shaped %s (blocks on dim %d), %d bytes per block",
                     len(layers), tuple(layers[0].shape), dims[0], self._layout.block_bytes)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
+        meta = connector_metadata(self)
         assert isinstance(meta, OffloadMetadata)
         if not meta.loads or self._layout is None:
             return
@@ -247,7 +253,7 @@ class TacoOffloadConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         self._finish_load()
-        meta = self._get_connector_metadata()
+        meta = connector_metadata(self)
         assert isinstance(meta, OffloadMetadata)
         layout = self._layout
         if not meta.saves or layout is None or self._sender is None:
@@ -260,14 +266,15 @@ class TacoOffloadConnector(KVConnectorBase_V1):
         if room is None:
             return
         buffer, ring, start = room
-        # The one copy on the critical path (the blocks may be reused after this step): straight from
-        # the KV cache into the bytes the service will read.
-        layout.gather(block_ids, buffer.view(len(keys), layout.num_layers, layout.segment_bytes))
+        # The one copy on the critical path (the blocks may be reused after this step): straight from the
+        # KV cache into the bytes the service will read; on a CUDA device a gather in the compute stream's
+        # order, and the device-to-host copy on the side stream, which the sender thread waits for.
+        copied = layout.save(block_ids, buffer.view(len(keys), layout.num_layers, layout.segment_bytes))
         view = byte_view(buffer)
         payloads = [BlockPayload(key, parent, view[i * block_bytes:(i + 1) * block_bytes], layout.num_layers,
                                  None if ring is None else start + i * block_bytes)
                     for i, (key, parent) in enumerate(zip(keys, parents, strict=True))]
-        self._sender.submit(SaveBatch(payloads, len(buffer), ring, start))
+        self._sender.submit(SaveBatch(payloads, len(buffer), ring, start, copied))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._finish_load()
@@ -277,11 +284,13 @@ class TacoOffloadConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._sender is not None:
             self._sender.stop()
+        if self._layout is not None:
+            self._layout.copier.synchronize()  # nothing may still copy through the load window it unmaps
         self._client.close()
 
 
 def _tensor_parallel_rank() -> int:
-    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+    from ..vllm_internals import get_tensor_model_parallel_rank
 
     try:
         return int(get_tensor_model_parallel_rank())

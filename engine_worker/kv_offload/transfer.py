@@ -5,7 +5,8 @@ them in one flat uint8 buffer: a load in segment-major order ([layers, blocks, s
 GetBlocks delivers them, so each finished layer is copied into the KV cache at once), a save in
 block-major order ([blocks, layers, segment], so each block is one contiguous range for PutBlocks).
 The buffer is a shared-memory window when the service shares /dev/shm with us, else private memory
-whose bytes then travel in gRPC messages.
+whose bytes then travel in gRPC messages. How bytes cross between the KV cache's device and that
+buffer (page-locked memory, a side stream and events on a CUDA device) is device_copy.py's business.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import queue
 import threading
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -24,6 +25,7 @@ import torch
 from protos import kv_cache_pb2
 
 from .client import BlockPayload, ChunkStream, KVBlockClient, window_gone
+from .device_copy import CopyDone, KVCopier, LoadCopies, copier_for
 from .window import SaveRing, ShmWindow
 
 logger = logging.getLogger("taco_llm.kv_offload")
@@ -51,6 +53,11 @@ class KVLayout:
 
     layers: list[torch.Tensor]
     block_dim: int
+    # One per layout, so one per connector: on a CUDA device, the connector's side stream.
+    copier: KVCopier = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.copier = copier_for(self.layers[0].device)
 
     @property
     def num_layers(self) -> int:
@@ -68,13 +75,13 @@ class KVLayout:
     def block_bytes(self) -> int:
         return self.segment_bytes * self.num_layers
 
-    def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(list(block_ids), dtype=torch.long, device=self.layers[0].device)
+    def block_index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        return self.copier.indices(block_ids, self.layers[0].device)
 
     def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
         """Copies the blocks into `out` ([blocks, layers, segment bytes], uint8): one copy per layer,
         straight from the KV cache into place."""
-        ids = self._ids(block_ids)
+        ids = self.block_index(block_ids)
         for index, layer in enumerate(self.layers):
             target = out[:, index, :].view(layer.dtype).view(len(ids), *self.segment_shape)
             target = target.movedim(0, self.block_dim)
@@ -82,6 +89,15 @@ class KVLayout:
                 torch.index_select(layer, self.block_dim, ids, out=target)
             else:  # a device KV cache: one device-to-host copy of the gathered blocks
                 target.copy_(layer.index_select(self.block_dim, ids))
+
+    def save(self, block_ids: Sequence[int], out: torch.Tensor) -> CopyDone | None:
+        """Copies the blocks into host `out` ([blocks, layers, segment bytes], uint8) without waiting for a
+        device; returns what to wait on before reading `out` (None: it is ready)."""
+        return self.copier.save(self, block_ids, out)
+
+    def load_copies(self, block_ids: Sequence[int]) -> LoadCopies:
+        """The layer-by-layer copies of one load into the blocks."""
+        return self.copier.load_copies(self, block_ids)
 
     def scatter_layer(self, index: int, block_ids: torch.Tensor, source: torch.Tensor) -> None:
         """Writes layer `index` of the blocks from `source` ([blocks, segment bytes], uint8)."""
@@ -104,24 +120,36 @@ class LayerwiseLoad:
         self.ok = False
         self.cancelled = False
         self.call: ChunkStream | None = None
+        self.copies = layout.load_copies(block_ids)
+        # Held while checking `cancelled` and queuing one layer's copy: once join() has cancelled the load,
+        # no copy into the KV cache starts.
+        self.lock = threading.Lock()
         self.size = layout.block_bytes * len(keys)
         self.timeout = LOAD_TIMEOUT_SECONDS + LOAD_SECONDS_PER_GIB * self.size / 1024**3
         self.thread = threading.Thread(target=self._run, name="kv-offload-load", daemon=True)
 
     def start(self) -> None:
+        """On the engine's thread, before the forward pass."""
+        self.copies.begin()
         self.thread.start()
 
     def wait_layer(self, index: int) -> None:
+        """On the engine's thread: returns once layer `index` is in the KV cache as the forward pass sees it
+        (on a CUDA device: its copy is queued and the compute stream waits for it), or past the deadline."""
         self.events[index].wait(self.timeout)
+        self.copies.wait_layer(index)
 
     def join(self) -> bool:
         self.thread.join(self.timeout)
         if self.thread.is_alive():
             # Past its deadline: it must not write into blocks vLLM may hand to other requests now.
-            self.cancelled = True
+            with self.lock:
+                self.cancelled = True
             if self.call is not None:
                 self.call.cancel()
+            self.copies.settle()  # copies already queued land before anything the engine does next
             return False
+        self.copies.settle()
         return self.ok
 
     def _run(self) -> None:
@@ -144,17 +172,22 @@ class LayerwiseLoad:
                 event.set()
 
     def _receive(self) -> bool:
+        copier = self.layout.copier
+        # The load window is reused load after load (and replaced, unmapped, when too small): the service
+        # must not write into it while an earlier load's copies may still read it.
+        copier.wait_host_reads()
         for attempt in range(2):
             with self.client.load_window(self.size) as window:
                 if window is None:
                     break
+                copier.page_lock(window)
                 try:
                     return self._receive_into(window.tensor[:self.size], window)
                 except grpc.RpcError as error:
                     if attempt or self.layers_done or not window_gone(error):
                         raise
                     window.stale = True  # the service restarted: the next try attaches a fresh window
-        return self._receive_into(torch.empty(self.size, dtype=torch.uint8), None)
+        return self._receive_into(copier.host_buffer(self.size), None)
 
     def _receive_into(self, staged: torch.Tensor, window: ShmWindow | None) -> bool:
         """Streams the blocks into `staged` (segment-major), copying each layer out once complete."""
@@ -164,34 +197,43 @@ class LayerwiseLoad:
         if self.cancelled:
             call.cancel()
         first = next(call)
+        if first.WhichOneof("kind") != "headers":
+            raise ValueError(f"GetBlocks began with {first.WhichOneof('kind') or 'an empty message'}, not the "
+                             "blocks' headers")
+        headers = first.headers.blocks
         block_bytes = self.layout.block_bytes
-        if len(first.headers) != len(self.keys) or any(
-                h.size != block_bytes or h.num_segments != self.num_layers for h in first.headers):
+        if len(headers) != len(self.keys) or any(
+                h.size != block_bytes or h.num_segments != self.num_layers for h in headers):
             raise ValueError("a block's size or segment count does not match this engine's KV layout")
         view = byte_view(staged)
-        ids = self.layout._ids(self.block_ids)
         per_segment = self.layout.segment_bytes * len(self.keys)
         received = 0
+        # Into a window the service sends only progress; without one, only bytes.
+        expected = "block_bytes" if window is None else "segments_in_window"
         for message in call:
-            if window is not None:
-                if message.data or not self.layers_done <= message.segments_in_window <= self.num_layers:
+            kind = message.WhichOneof("kind")
+            if kind != expected:
+                raise ValueError(f"GetBlocks sent {kind or 'an empty message'} where {expected} was due")
+            if kind == "segments_in_window":
+                if not self.layers_done <= message.segments_in_window <= self.num_layers:
                     raise ValueError(f"a progress message says {message.segments_in_window} segments")
                 ready = message.segments_in_window
             else:
-                received += self._place(view, message)
+                received += self._place(view, message.block_bytes)
                 ready = min(received // per_segment, self.num_layers)
             while self.layers_done < ready:
-                if self.cancelled:
-                    return False
                 start = self.layers_done * per_segment
-                self.layout.scatter_layer(self.layers_done, ids, staged[start:start + per_segment])
+                with self.lock:
+                    if self.cancelled:
+                        return False
+                    self.copies.copy_layer(self.layers_done, staged[start:start + per_segment])
                 self.events[self.layers_done].set()
                 self.layers_done += 1
         if self.layers_done != self.num_layers:
             raise ValueError(f"the stream ended after {self.layers_done} of {self.num_layers} layers")
-        return self._checksums_match(view, [h.checksum for h in first.headers])
+        return self._checksums_match(view, [h.checksum for h in headers])
 
-    def _place(self, view: memoryview, chunk: kv_cache_pb2.GetBlocksChunk) -> int:
+    def _place(self, view: memoryview, chunk: kv_cache_pb2.BlockBytes) -> int:
         """Copies one gRPC chunk (bytes of one block at an offset) to its segment-major place."""
         segment_bytes, count = self.layout.segment_bytes, len(self.keys)
         data = memoryview(chunk.data)
@@ -220,12 +262,14 @@ class LayerwiseLoad:
 
 @dataclass
 class SaveBatch:
-    """One step's saved blocks; their bytes lie in `ring` from `start` on, or in private memory."""
+    """One step's saved blocks; their bytes lie in `ring` from `start` on, or in private memory, once
+    `copied` is done (None: they are there already)."""
 
     payloads: list[BlockPayload]
     size: int
     ring: SaveRing | None = None
     start: int = 0
+    copied: CopyDone | None = None
 
 
 class Sender:
@@ -233,9 +277,10 @@ class Sender:
 
     _ATTACH = "attach"  # a queue item: attach a save ring
 
-    def __init__(self, client: KVBlockClient, ring_bytes: int = SAVE_RING_BYTES):
+    def __init__(self, client: KVBlockClient, ring_bytes: int = SAVE_RING_BYTES, copier: KVCopier | None = None):
         self.client = client
         self.ring_bytes = ring_bytes
+        self.copier = copier if copier is not None else KVCopier()
         self.ring: SaveRing | None = None
         self._attach_queued = False
         self.queue: queue.Queue[SaveBatch | str | None] = queue.Queue()
@@ -244,7 +289,10 @@ class Sender:
         self.dropped_logged = False
         self.thread = threading.Thread(target=self._run, name="kv-offload-save", daemon=True)
         self.thread.start()
-        if client.shared_memory:  # attach the ring now, so that the first saves already use it
+        # Attach the ring now, so that the first saves already use it; but not one to page-lock for a
+        # device: vLLM captures CUDA graphs right after it registers the KV caches, and a runtime call
+        # from another thread may break a capture. Then the first save asks for the ring (reserve).
+        if client.shared_memory and not self.copier.pins_host_memory:
             self._attach_queued = True
             self.queue.put(self._ATTACH)
 
@@ -271,7 +319,7 @@ class Sender:
                 self._dropped()
                 return None
             self.pending_bytes += size
-        return torch.empty(size, dtype=torch.uint8), None, 0
+        return self.copier.host_buffer(size), None, 0
 
     def _dropped(self) -> None:
         if not self.dropped_logged:
@@ -291,6 +339,8 @@ class Sender:
                 self._attach_ring()
                 continue
             try:
+                if item.copied is not None:
+                    item.copied.synchronize()  # the bytes are in host memory from here on
                 window = item.ring.window if item.ring is not None else None
                 if self.client.put(item.payloads, SAVE_TIMEOUT_SECONDS, window) is not None:
                     self.dropped_logged = False
@@ -308,11 +358,13 @@ class Sender:
         if self.ring is None and self.client.shared_memory:
             window = self.client.attach(self.ring_bytes)
             if window is not None:
+                self.copier.page_lock(window)
                 self.ring = SaveRing(window)
 
     def stop(self) -> None:
         self.queue.put(None)
         self.thread.join(5.0)
+        self.copier.synchronize()  # no copy into the ring may be left when it is unmapped
         ring, self.ring = self.ring, None
         if ring is not None:
             self.client.detach(ring.window)

@@ -7,8 +7,12 @@ made (posix_fallocate): a /dev/shm too small for it (docker's default is 64 MB) 
 creation, never a SIGBUS on some later write.
 
 The save ring hands out byte ranges of one window in FIFO order: wait_for_save copies a step's
-blocks into a range straight from the KV cache, and the sender thread frees it once PutBlocks has
-returned (the service copies the bytes out before it answers).
+blocks into a range (on a CUDA device through the side stream, device_copy.py), and the sender
+thread frees it once PutBlocks has returned (the service copies the bytes out before it answers).
+
+For a CUDA KV cache a window is page-locked (registered with CUDA) before its first copy; a
+registration must end while its memory is still mapped, so the window runs its `before_unmap`
+releases on close, or when it is collected without one.
 """
 
 from __future__ import annotations
@@ -19,27 +23,28 @@ import mmap
 import os
 import secrets
 import threading
+import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-SHM_DIR = "/dev/shm"
-NAME_PREFIX = "taco_llm-kv-"
-NONCE_BYTES = 16
+from protos.kv_cache_limits import NONCE_BYTES, SHM_DIR, window_name
 
 
 class ShmWindow:
     """A mapped /dev/shm file: `tensor` is its bytes, `window_id` what the service calls it."""
 
     def __init__(self, size: int, shm_dir: str = SHM_DIR):
-        self.name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        self.name = window_name(os.getpid(), secrets.token_hex(8))
         self.path = os.path.join(shm_dir, self.name)
         self.size = size
         self.nonce = secrets.token_bytes(NONCE_BYTES)
         self.window_id = 0
         # Set when the service no longer knows window_id (it restarted, or dropped the window).
         self.stale = False
+        self._before_unmap: list[weakref.finalize] = []
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
         try:
             try:
@@ -63,9 +68,19 @@ class ShmWindow:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
+    def before_unmap(self, release: Callable[[], None]) -> None:
+        """Runs `release` once, on close() or when this window is collected without one: in both cases
+        before the mapping goes (a tensor view may keep it longer, never shorter)."""
+        finalizer = weakref.finalize(self, release)
+        finalizer.atexit = False  # at exit the pages go with the process, and CUDA may be gone already
+        self._before_unmap.append(finalizer)
+
     def close(self) -> None:
         """Unmaps now, or (while a view of it is still alive) once the last view is gone."""
         self.unlink()
+        for finalizer in self._before_unmap:
+            finalizer()
+        self._before_unmap.clear()
         self.tensor = torch.empty(0, dtype=torch.uint8)
         with contextlib.suppress(BufferError):
             self._map.close()

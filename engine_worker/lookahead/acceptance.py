@@ -24,6 +24,7 @@ from dataclasses import dataclass
 # verifying a few more tokens is compute, while a step at small batch is bound by reading the weights:
 # on a CPU compute is scarce and a token costs a visible share; on a GPU it is nearly free. Platforms
 # not listed take the CPU's figure, the cautious side (a draft stops sooner, never slower than none).
+# The CPU's is measured; the GPU's is a roofline estimate until bench/draft_token_cost.py runs on one.
 DRAFT_TOKEN_COST_BY_DEVICE = {"cpu": 0.06, "cuda": 0.01}
 STEP_DECAY = 0.85        # per decoding step of the request
 PRIOR_WEIGHT = 0.5       # how many observations the prior counts as
