@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from http import HTTPStatus
 
 import grpc
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from protos.rich_status import details_of
@@ -66,7 +68,7 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(HTTPStatus.BAD_REQUEST, message, param=param)
 
 
-def from_grpc(error: grpc.aio.AioRpcError, param_names: dict[str, str] | None = None) -> APIError:
+def from_grpc(error: grpc.aio.AioRpcError, param_names: Mapping[str, str] | None = None) -> APIError:
     """Turns a worker's gRPC status into the HTTP error vLLM's server gives for the same input.
 
     The status's rich details (protos/errors.proto) give the field and the reason; the message is only
@@ -82,3 +84,28 @@ def from_grpc(error: grpc.aio.AioRpcError, param_names: dict[str, str] | None = 
         message = f"the engine failed this request: {message}"
     code = "model_not_found" if status == 404 else None
     return APIError(status, message, param=param, code=code)
+
+
+def from_validation(error: RequestValidationError) -> APIError:
+    """A body that does not parse: vLLM's server answers 400 for it, not FastAPI's 422."""
+    return bad_request(_validation_message(error), _validation_param(error))
+
+
+def _validation_param(error: RequestValidationError) -> str | None:
+    for item in error.errors():
+        loc = [str(p) for p in item.get("loc", ()) if p != "body"]
+        if loc:
+            return ".".join(loc)
+    return None
+
+
+def _validation_message(error: RequestValidationError) -> str:
+    parts = []
+    for item in error.errors():
+        loc = ".".join(str(p) for p in item.get("loc", ()) if p != "body") or "body"
+        if item.get("type") == "json_invalid":
+            ctx = item.get("ctx") or {}
+            parts.append(f"the request body is not valid JSON: {ctx.get('error', item.get('msg'))}")
+        else:
+            parts.append(f"{loc}: {item.get('msg')}")
+    return "; ".join(parts) or "invalid request"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,7 +58,7 @@ class EngineStream:
     """
 
     def __init__(self, client: EngineClient, request: engine_pb2.GenerateRequest,
-                 param_names: dict[str, str], metadata: Iterable[tuple[str, str]] = ()):
+                 param_names: Mapping[str, str], metadata: Iterable[tuple[str, str]] = ()):
         self.client = client
         self.model = request.model
         self.param_names = param_names
@@ -158,11 +158,11 @@ def add_usage(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, A
     return total
 
 
+@dataclass(frozen=True, kw_only=True)
 class TokenText:
     """How a token appears in logprobs: its text, or `token_id:N` with --return-tokens-as-token-ids."""
 
-    def __init__(self, as_token_ids: bool = False):
-        self.as_token_ids = as_token_ids
+    as_token_ids: bool = False
 
     def __call__(self, token_id: int, token: str) -> str:
         return f"token_id:{token_id}" if self.as_token_ids else token

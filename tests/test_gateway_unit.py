@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import subprocess
 import sys
 
 import grpc
 import pytest
+from fastapi.responses import StreamingResponse
+from starlette.requests import Request
 
 from gateway import to_engine
+from gateway.app import GatewaySettings, create_app
 from gateway.engine_pool import EngineClient, EnginePool
 from gateway.errors import APIError, from_grpc
-from gateway.from_engine import ChoiceState, finish_reason, prompt_logprobs_json
+from gateway.from_engine import ChoiceState, TokenText, finish_reason, prompt_logprobs_json
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.serving import EngineCalls
+from gateway.serving_chat import ServingChat
+from gateway.serving_completion import ServingCompletion
+from gateway.serving_models import ServingModels
 from protos import engine_pb2, rich_status
 from protos.rich_status import Reason
 
@@ -171,3 +180,112 @@ def test_choice_state_reads_both_output_variants() -> None:
     assert state.text == "Hello" and state.finish_reason == "stop" and state.stop_reason == 2
     assert state.parsed is not None and finish_reason(state.parsed.finish_reason) == "tool_calls"
     assert finish_reason(engine_pb2.FINISH_REASON_UNSPECIFIED) is None
+
+
+# --- the serving objects, on a canned worker stream --------------------------------------------------
+
+class _Call:
+    """A Generate call that plays back canned messages."""
+
+    def __init__(self, messages: list[engine_pb2.GenerateResponse]):
+        self.messages = list(messages)
+
+    async def read(self) -> object:
+        return self.messages.pop(0) if self.messages else grpc.aio.EOF
+
+    def cancel(self) -> bool:
+        return True
+
+
+class _Stub:
+    def __init__(self, messages: list[engine_pb2.GenerateResponse]):
+        self.messages = messages
+
+    def Generate(self, request: engine_pb2.GenerateRequest, metadata: object = ()) -> _Call:
+        return _Call(self.messages)
+
+
+def _serving_pool(messages: list[engine_pb2.GenerateResponse]) -> EnginePool:
+    client = _client("a:1", ["base", "alias", "lora"], 0)
+    assert client.info is not None
+    client.info.lora_adapters.append(engine_pb2.LoraAdapter(name="lora", path="/lora", base_model_name="base"))
+    client.info.model_path = "/base"
+    client.stub = _Stub(messages)  # type: ignore[assignment]
+    pool = EnginePool(["a:1"])
+    pool.clients = [client]
+    return pool
+
+
+def _canned(text: str) -> list[engine_pb2.GenerateResponse]:
+    return [
+        engine_pb2.GenerateResponse(started=engine_pb2.Started(prompt_token_ids=[1, 2])),
+        engine_pb2.GenerateResponse(delta=engine_pb2.Delta(choices=[engine_pb2.ChoiceDelta(
+            index=0, text=text, token_ids=[7], finish_reason=engine_pb2.FINISH_REASON_STOP)])),
+        engine_pb2.GenerateResponse(finished=engine_pb2.Finished(
+            usage=engine_pb2.Usage(prompt_tokens=2, completion_tokens=1))),
+    ]
+
+
+async def _body(response: object) -> bytes:
+    assert isinstance(response, StreamingResponse)
+    return b"".join([part if isinstance(part, bytes) else str(part).encode()
+                     async for part in response.body_iterator])
+
+
+def _staying_client() -> Request:
+    """The HTTP request of a client that never leaves (for the disconnect watch of a whole answer)."""
+    async def receive() -> dict[str, object]:
+        await asyncio.sleep(3600)
+        return {}
+
+    return Request({"type": "http"}, receive)
+
+
+def test_chat_stream_framing_and_usage() -> None:
+    chat = ServingChat(EngineCalls(_serving_pool(_canned("hé"))), response_role="assistant",
+                       token_text=TokenText(as_token_ids=False))
+    body = ChatCompletionRequest.model_validate({
+        "model": "alias", "messages": [{"role": "user", "content": "hi"}], "stream": True, "request_id": "x",
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    })
+
+    async def run() -> bytes:
+        return await _body(await chat.create(body, _staying_client()))
+
+    raw = asyncio.run(run())
+    events = raw.split(b"\n\n")
+    assert events[-2:] == [b"data: [DONE]", b""]
+    chunks = [json.loads(e.removeprefix(b"data: ")) for e in events[:-2]]
+    assert [c["id"] for c in chunks] == ["chatcmpl-x"] * 3
+    # The worker's first served name, though the client asked for an alias (as vLLM's server answers).
+    assert {c["model"] for c in chunks} == {"base"}
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""} and chunks[0]["usage"] is None
+    assert chunks[1]["choices"][0]["delta"] == {"content": "hé"} and chunks[1]["usage"]["total_tokens"] == 3
+    assert chunks[2]["choices"] == [] and chunks[2]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert "hé".encode() in raw, "SSE text is UTF-8, not \\u escapes"
+
+
+def test_completion_batch_whole_and_models() -> None:
+    pool = _serving_pool(_canned("!"))
+    completion = ServingCompletion(EngineCalls(pool), token_text=TokenText(as_token_ids=True))
+    body = CompletionRequest.model_validate({"model": "lora", "prompt": ["a", "b"], "echo": True,
+                                             "return_token_ids": True, "request_id": "y"})
+
+    async def run() -> object:
+        return await completion.create(body, _staying_client())
+
+    whole = asyncio.run(run())
+    assert isinstance(whole, dict)
+    assert whole["model"] == "lora" and whole["object"] == "text_completion"
+    assert [(c["index"], c["text"], c["token_ids"]) for c in whole["choices"]] == [(0, "a!", [7]), (1, "b!", [7])]
+    assert whole["usage"]["total_tokens"] == 6
+    models = {m["id"]: m for m in ServingModels(pool).models()["data"]}
+    assert models["lora"]["parent"] == "base" and models["lora"]["root"] == "/lora"
+    assert models["alias"]["parent"] is None and models["alias"]["root"] == "/base"
+
+
+def test_app_factory_assembles_every_route() -> None:
+    app = create_app(GatewaySettings(engines=["127.0.0.1:1"]))
+    paths = {getattr(route, "path", None) for route in app.routes}
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health",
+            "/version", "/metrics"} <= paths

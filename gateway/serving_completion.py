@@ -1,0 +1,184 @@
+"""/v1/completions: one prompt or a batch, each its own engine stream, merged into one response."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from protos import engine_pb2
+
+from . import sse, to_engine
+from .errors import APIError, bad_request
+from .from_engine import (
+    ChoiceState,
+    EngineStream,
+    TokenText,
+    add_usage,
+    collect,
+    completion_logprobs,
+    prompt_logprobs_json,
+    usage_json,
+)
+from .protocol import CompletionRequest
+from .request_context import OutputOptions, RequestContext
+from .serving import EngineCalls, response_model_name, unless_disconnected, usage_options
+
+CompletionContext = RequestContext[CompletionRequest]
+
+
+@dataclass(frozen=True)
+class OpenPrompt:
+    """One prompt of the batch: its running engine stream, and the text echoed before its choices."""
+
+    stream: EngineStream
+    echo: str
+
+
+class ServingCompletion:
+    """Made once per app, with the workers and the server's output options (from flags)."""
+
+    def __init__(self, engines: EngineCalls, *, token_text: TokenText) -> None:
+        self.engines = engines
+        self.token_text = token_text
+
+    async def create(self, body: CompletionRequest,
+                     request: Request) -> StreamingResponse | JSONResponse | dict[str, Any]:
+        if body.echo and body.logprobs is not None:
+            raise bad_request("echo together with logprobs is not supported", "echo")
+        request_id = f"cmpl-{body.request_id or uuid.uuid4().hex}"
+        streams, prompts = await self._generate(body, request_id)
+        include_usage, _ = usage_options(body.stream_options)
+        context = CompletionContext(
+            request_id=request_id, model=response_model_name(body.model, streams[0]), created=int(time.time()),
+            body=body, n=body.n or 1,
+            options=OutputOptions(include_usage=include_usage, logprobs=body.logprobs is not None,
+                                  return_token_ids=bool(body.return_token_ids),
+                                  prompt_logprobs=body.prompt_logprobs is not None),
+        )
+        batch = [OpenPrompt(s, await self._echo(s, p) if body.echo else "")
+                 for s, p in zip(streams, prompts, strict=True)]
+        if body.stream:
+            return StreamingResponse(self._chunks(context, batch), media_type="text/event-stream")
+        return await unless_disconnected(request, self._whole(context, batch))
+
+    async def _generate(self, body: CompletionRequest, request_id: str
+                        ) -> tuple[list[EngineStream], list[str | list[int]]]:
+        """Opens every prompt's stream at once; if any is refused, the others are closed."""
+        prompts = to_engine.completion_prompts(body.prompt)
+        engine_requests = [
+            to_engine.completion_request(body, p, f"{request_id}-{i}" if len(prompts) > 1 else request_id)
+            for i, p in enumerate(prompts)
+        ]
+        opened = await asyncio.gather(
+            *(self.engines.generate(r, to_engine.COMPLETION_PARAMS) for r in engine_requests),
+            return_exceptions=True,
+        )
+        streams = [s for s in opened if isinstance(s, EngineStream)]
+        for s in opened:
+            if isinstance(s, BaseException):
+                for stream in streams:
+                    stream.close()
+                raise s
+        return streams, prompts
+
+    async def _echo(self, stream: EngineStream, prompt: str | list[int]) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        return await self.engines.detokenize(engine_pb2.DetokenizeRequest(model=stream.model, token_ids=prompt),
+                                             to_engine.COMPLETION_PARAMS, client=stream.client)
+
+    async def _whole(self, context: CompletionContext, batch: list[OpenPrompt]) -> dict[str, Any]:
+        options = context.options
+        results = await asyncio.gather(*(collect(p.stream, context.n) for p in batch))
+        choices: list[dict[str, Any]] = []
+        usage: dict[str, Any] | None = None
+        for prompt_index, (prompt, result) in enumerate(zip(batch, results, strict=True)):
+            usage = add_usage(usage, usage_json(result.usage))
+            for c in result.choices:
+                choice = self._choice(context, c, index=prompt_index * context.n + c.index,
+                                      text=prompt.echo + c.text, offset=len(prompt.echo))
+                if options.return_token_ids:
+                    choice["token_ids"] = c.token_ids
+                    choice["prompt_token_ids"] = result.prompt_token_ids
+                if options.prompt_logprobs:
+                    # vLLM's server puts a completion's prompt logprobs on each choice.
+                    choice["prompt_logprobs"] = prompt_logprobs_json(result.prompt_logprobs)
+                choices.append(choice)
+        return {**context.head("text_completion"), "choices": choices, "usage": usage}
+
+    def _choice(self, context: CompletionContext, state: ChoiceState, *, index: int, text: str,
+                offset: int) -> dict[str, Any]:
+        """`offset`: where the choice's new text starts in its whole text (after the echo and the text
+        streamed before it), for the logprobs' text_offset."""
+        logprobs = completion_logprobs(state.logprobs, self.token_text, offset) if context.options.logprobs else None
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": state.finish_reason,
+                "stop_reason": state.stop_reason}
+
+    async def _chunks(self, context: CompletionContext, batch: list[OpenPrompt]) -> AsyncIterator[bytes]:
+        # The prompts' streams run side by side; one queue merges them in the order they produce.
+        queue: asyncio.Queue[tuple[int, engine_pb2.GenerateResponse | APIError | None]] = asyncio.Queue()
+
+        async def pump(prompt_index: int, stream: EngineStream) -> None:
+            try:
+                async for message in stream.messages():
+                    await queue.put((prompt_index, message))
+            except APIError as error:
+                await queue.put((prompt_index, error))
+            finally:
+                await queue.put((prompt_index, None))
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+            return sse.chunk(context, "text_completion", choices, usage)
+
+        n = context.n
+        pumps = [asyncio.create_task(pump(i, p.stream)) for i, p in enumerate(batch)]
+        offsets = {(p, i): len(prompt.echo) for p, prompt in enumerate(batch) for i in range(n)}
+        usage: dict[str, Any] | None = None
+        running = len(batch)
+        try:
+            for p, prompt in enumerate(batch):
+                if prompt.echo:
+                    yield chunk([{"index": p * n + i, "text": prompt.echo, "logprobs": None, "finish_reason": None}
+                                 for i in range(n)])
+            while running:
+                prompt_index, item = await queue.get()
+                if item is None:
+                    running -= 1
+                    continue
+                if isinstance(item, APIError):
+                    yield sse.error_event(item)
+                    continue
+                match item.WhichOneof("phase"):
+                    case "finished":
+                        usage = add_usage(usage, usage_json(item.finished.usage))
+                    case "delta":
+                        choices = []
+                        for delta in item.delta.choices:
+                            key = (prompt_index, delta.index)
+                            state = ChoiceState(delta.index)
+                            state.add(delta)
+                            choice = self._choice(context, state, index=prompt_index * n + delta.index,
+                                                  text=state.text, offset=offsets[key])
+                            if context.options.return_token_ids:
+                                choice["token_ids"] = list(delta.token_ids)
+                            choices.append(choice)
+                            offsets[key] += len(state.text)
+                        if choices:
+                            yield chunk(choices)
+                    case _:
+                        pass  # `started`: nothing a completion stream shows (prompt logprobs are refused there)
+            if context.options.include_usage:
+                yield chunk([], usage)
+            yield sse.DONE
+        finally:
+            for task in pumps:
+                task.cancel()
+            for prompt in batch:
+                prompt.stream.close()

@@ -1,0 +1,39 @@
+"""/v1/models, /version and /health: what the ready workers serve, from the pool's health checks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from taco_llm.version import package_version
+
+from .engine_pool import EnginePool
+
+
+class ServingModels:
+    """Answers from the pool's last health check alone; no call reaches a worker."""
+
+    def __init__(self, pool: EnginePool) -> None:
+        self.pool = pool
+
+    def health(self) -> JSONResponse:
+        if not self.pool.ready_clients():
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    def version(self) -> dict[str, Any]:
+        engines = sorted({c.info.engine_version for c in self.pool.ready_clients() if c.info is not None})
+        return {"version": package_version(), "vllm": engines[0] if len(engines) == 1 else engines}
+
+    def models(self) -> dict[str, Any]:
+        data = []
+        for name, info in self.pool.models():
+            # A LoRA adapter is a model of its own, whose parent is the base model it adapts (as in vLLM).
+            lora = next((a for a in info.lora_adapters if a.name == name), None)
+            data.append({"id": name, "object": "model", "created": info.created, "owned_by": "taco-llm",
+                         "root": lora.path if lora else info.model_path,
+                         "parent": lora.base_model_name if lora else None, "max_model_len": info.max_model_len})
+        if not data:
+            raise self.pool.unavailable()
+        return {"object": "list", "data": data}
