@@ -24,6 +24,7 @@ from typing import NoReturn, TypeVar
 import grpc
 
 from protos import kv_cache_pb2, kv_cache_pb2_grpc
+from protos.kv_cache_limits import CHUNK_BYTES
 from protos.rich_status import Reason, abort
 
 from .block_store import KEY_BYTES, Block, BlockStore, PutOutcome
@@ -32,7 +33,6 @@ from .windows import Window, WindowError, WindowTable
 
 logger = logging.getLogger(__name__)
 
-CHUNK_BYTES = 1024 * 1024  # the most bytes one message carries, either way
 MAX_KEYS_PER_CALL = 65536
 TOP_HITS_REPORTED = 16
 
@@ -86,28 +86,28 @@ class KVBlockStoreServicer(kv_cache_pb2_grpc.KVBlockStoreServicer):
                            context: grpc.aio.ServicerContext) -> kv_cache_pb2.DetachWindowResponse:
         return kv_cache_pb2.DetachWindowResponse(detached=self.windows.detach(request.window_id))
 
-    async def _window(self, ref: kv_cache_pb2.WindowRef, context: grpc.aio.ServicerContext) -> Window:
+    async def _window(self, ref: kv_cache_pb2.WindowRef, context: grpc.aio.ServicerContext,
+                      parent: str | None = None, prefix: str = "") -> Window:
+        """The window `ref` names, pinned for the call; `parent`: the path of the message holding the
+        ref, when that is not the request itself (so that the error names the field by its full path)."""
         try:
             return self.windows.acquire(ref.window_id, ref.offset, ref.length)
         except WindowError as error:
-            await _window_error(context, error)
+            await _window_error(context, error.under(parent) if parent else error, prefix)
 
-    async def _read_window(self, chunk: kv_cache_pb2.PutBlocksChunk, index: int,
+    async def _read_window(self, block: kv_cache_pb2.WindowedBlock, index: int,
                            context: grpc.aio.ServicerContext) -> tuple[bytes, int]:
         """A put block's bytes, copied out of the client's window, and their checksum."""
-        if chunk.data:
-            await _invalid(context, f"block {index}: data: a block whose bytes are in a window carries none in the "
-                                    "message", "data")
-        if chunk.window.length != chunk.header.size:
-            await _invalid(context, f"block {index}: window.length {chunk.window.length} is not header.size "
-                                    f"{chunk.header.size}", "window.length")
-        window = await self._window(chunk.window, context)
+        if block.window.length != block.header.size:
+            await _invalid(context, f"block {index}: windowed.window.length {block.window.length} is not "
+                                    f"windowed.header.size {block.header.size}", "windowed.window.length")
+        window = await self._window(block.window, context, "windowed", f"block {index}: ")
         loop = asyncio.get_running_loop()
         try:
-            return await _settled(loop.run_in_executor(None, _read_and_check, window, chunk.window.offset,
-                                                       chunk.window.length))
+            return await _settled(loop.run_in_executor(None, _read_and_check, window, block.window.offset,
+                                                       block.window.length))
         except WindowError as error:
-            await _window_error(context, error, f"block {index}: ")
+            await _window_error(context, error.under("windowed"), f"block {index}: ")
         finally:
             self.windows.release(window)
 
@@ -116,78 +116,86 @@ class KVBlockStoreServicer(kv_cache_pb2_grpc.KVBlockStoreServicer):
         await _check_keys(request.keys, context)
         return kv_cache_pb2.LookupResponse(num_blocks=self.store.lookup(list(request.keys)))
 
-    async def _check_header(self, header: kv_cache_pb2.BlockHeader, index: int,
+    async def _check_header(self, header: kv_cache_pb2.BlockHeader, path: str, index: int,
                             context: grpc.aio.ServicerContext) -> None:
+        """Refuses a malformed header; `path`: where it lies in the chunk (start.header, windowed.header)."""
         where = f"block {index}"
         if len(header.key) != KEY_BYTES:
-            await _invalid(context, f"{where}: header.key is {KEY_BYTES} bytes (SHA-256), got {len(header.key)}",
-                           "header.key")
+            await _invalid(context, f"{where}: {path}.key is {KEY_BYTES} bytes (SHA-256), got {len(header.key)}",
+                           f"{path}.key")
         if header.parent_key and len(header.parent_key) != KEY_BYTES:
-            await _invalid(context, f"{where}: header.parent_key is empty or {KEY_BYTES} bytes, got "
-                                    f"{len(header.parent_key)}", "header.parent_key")
+            await _invalid(context, f"{where}: {path}.parent_key is empty or {KEY_BYTES} bytes, got "
+                                    f"{len(header.parent_key)}", f"{path}.parent_key")
         if header.size == 0:
-            await _invalid(context, f"{where}: header.size must be positive", "header.size")
+            await _invalid(context, f"{where}: {path}.size must be positive", f"{path}.size")
         if header.num_segments == 0 or header.size % header.num_segments:
-            await _invalid(context, f"{where}: header.size {header.size} is not a multiple of header.num_segments "
+            await _invalid(context, f"{where}: {path}.size {header.size} is not a multiple of {path}.num_segments "
                                     f"{header.num_segments} (the block's bytes are that many equal segments)",
-                           "header.num_segments")
+                           f"{path}.num_segments")
         if header.size > self.store.budget_bytes:
             await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"{where}: header.size {header.size} is over the store's whole budget of "
-                        f"{self.store.budget_bytes} bytes", Reason.BLOCK_TOO_LARGE, "header.size")
+                        f"{where}: {path}.size {header.size} is over the store's whole budget of "
+                        f"{self.store.budget_bytes} bytes", Reason.BLOCK_TOO_LARGE, f"{path}.size")
 
     async def PutBlocks(self, request_iterator: AsyncIterator[kv_cache_pb2.PutBlocksChunk],
                         context: grpc.aio.ServicerContext) -> kv_cache_pb2.PutBlocksResponse:
         reply = kv_cache_pb2.PutBlocksResponse()
+        # The block whose bytes are arriving over gRPC (begun by a `start`, not yet complete), if any.
         header: kv_cache_pb2.BlockHeader | None = None
         data = bytearray()
         index = -1
         async for chunk in request_iterator:
-            from_window = chunk.HasField("window")
-            if from_window and chunk.HasField("header") and header is None:
+            kind = chunk.WhichOneof("kind")
+            if kind in ("start", "windowed") and header is not None:
+                await _invalid(context, f"block {index}: {kind}: the next block began after {len(data)} of this "
+                                        f"one's {header.size} bytes", kind)
+            if kind == "windowed":
                 index += 1
-                await self._check_header(chunk.header, index, context)
-                copied, checksum = await self._read_window(chunk, index, context)
-                if await self._store(chunk.header, copied, checksum, index, reply, context) is PutOutcome.STORED:
+                block = chunk.windowed
+                await self._check_header(block.header, "windowed.header", index, context)
+                copied, checksum = await self._read_window(block, index, context)
+                outcome = await self._store(block.header, "windowed.header", copied, checksum, index, reply, context)
+                if outcome is PutOutcome.STORED:
                     self.windows.counters.bytes_stored_shm += len(copied)
                 continue
-            if from_window:
-                await _invalid(context, f"block {index + 1 if header is None else index}: window: only a block's "
-                                        "header chunk may name a window, and not while another block's bytes are "
-                                        "arriving", "window")
-            if chunk.HasField("header"):
-                if header is not None:
-                    await _invalid(context, f"block {index}: the next header came after {len(data)} of its "
-                                            f"{header.size} bytes", "header")
+            if kind == "start":
                 index += 1
-                await self._check_header(chunk.header, index, context)
-                header, data = chunk.header, bytearray()
-            elif header is None:
-                await _invalid(context, "data: bytes came before any block header", "data")
-            if len(chunk.data) > CHUNK_BYTES:
-                await _invalid(context, f"block {index}: a chunk carries at most {CHUNK_BYTES} bytes, got "
-                                        f"{len(chunk.data)}", "data")
-            data += chunk.data
+                await self._check_header(chunk.start.header, "start.header", index, context)
+                header, data = chunk.start.header, bytearray()
+                piece, field = chunk.start.data, "start.data"
+            elif kind == "more":
+                if header is None:
+                    await _invalid(context, f"block {index + 1}: more: bytes came before any block header (each "
+                                            "block begins with a start; a windowed one takes no more bytes)", "more")
+                piece, field = chunk.more, "more"
+            else:
+                await _invalid(context, f"block {index + 1}: kind: a chunk is a start, more or windowed, got "
+                                        f"{kind or 'none of them'}", "kind")
+            if len(piece) > CHUNK_BYTES:
+                await _invalid(context, f"block {index}: {field}: a chunk carries at most {CHUNK_BYTES} bytes, got "
+                                        f"{len(piece)}", field)
+            data += piece
             if len(data) > header.size:
-                await _invalid(context, f"block {index}: got more bytes than header.size {header.size}", "data")
+                await _invalid(context, f"block {index}: {field}: got more bytes than start.header.size "
+                                        f"{header.size}", field)
             if len(data) == header.size:
                 whole = bytes(data)
                 checksum = await asyncio.get_running_loop().run_in_executor(None, zlib.crc32, whole)
-                await self._store(header, whole, checksum, index, reply, context)
+                await self._store(header, "start.header", whole, checksum, index, reply, context)
                 header, data = None, bytearray()
         if header is not None:
-            await _invalid(context, f"block {index}: the stream ended after {len(data)} of its {header.size} bytes",
-                           "data")
+            await _invalid(context, f"block {index}: more: the stream ended after {len(data)} of its {header.size} "
+                                    "bytes", "more")
         return reply
 
-    async def _store(self, header: kv_cache_pb2.BlockHeader, data: bytes, checksum: int, index: int,
+    async def _store(self, header: kv_cache_pb2.BlockHeader, path: str, data: bytes, checksum: int, index: int,
                      reply: kv_cache_pb2.PutBlocksResponse, context: grpc.aio.ServicerContext) -> PutOutcome:
         """Checks a complete block's checksum (computed off the event loop), stores it and counts the
-        outcome in the reply."""
+        outcome in the reply; `path`: where the header lies in the chunk."""
         if checksum != header.checksum:
             await abort(context, grpc.StatusCode.DATA_LOSS,
-                        f"block {index}: checksum mismatch (header.checksum {header.checksum}, bytes {checksum})",
-                        Reason.CHECKSUM_MISMATCH, "header.checksum")
+                        f"block {index}: checksum mismatch ({path}.checksum {header.checksum}, bytes {checksum})",
+                        Reason.CHECKSUM_MISMATCH, f"{path}.checksum")
         outcome = self.store.put(header.key, header.parent_key, data, header.num_segments, header.checksum)
         if outcome is PutOutcome.STORED:
             reply.num_stored += 1
@@ -214,8 +222,8 @@ class KVBlockStoreServicer(kv_cache_pb2_grpc.KVBlockStoreServicer):
                                "segment_major")
             yield _headers(blocks)
             for index, start, end in _chunk_plan(blocks, request.segment_major):
-                yield kv_cache_pb2.GetBlocksChunk(block_index=index, offset=start,
-                                                  data=blocks[index].data[start:end])
+                yield kv_cache_pb2.GetBlocksChunk(block_bytes=kv_cache_pb2.BlockBytes(
+                    block_index=index, offset=start, data=blocks[index].data[start:end]))
             served = True
         finally:
             self.store.release(blocks, served)
@@ -320,10 +328,11 @@ async def _write_segment_major(window: Window, blocks: Sequence[Block], position
 
 
 def _headers(blocks: Sequence[Block]) -> kv_cache_pb2.GetBlocksChunk:
-    return kv_cache_pb2.GetBlocksChunk(headers=[
+    """The first message of a GetBlocks stream."""
+    return kv_cache_pb2.GetBlocksChunk(headers=kv_cache_pb2.BlockHeaders(blocks=[
         kv_cache_pb2.BlockHeader(key=b.key, parent_key=b.parent_key, size=len(b.data),
                                  num_segments=b.num_segments, checksum=b.checksum) for b in blocks
-    ])
+    ]))
 
 
 def _chunk_plan(blocks: Sequence[Block], segment_major: bool) -> list[tuple[int, int, int]]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import re
 import secrets
 import stat
 import time
@@ -27,20 +26,16 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from protos.kv_cache_limits import MAX_WINDOW_BYTES, NONCE_BYTES, SHM_DIR, WINDOW_NAME_PATTERN, WINDOW_NAME_PREFIX
 from protos.rich_status import Reason
 
-SHM_DIR = "/dev/shm"
-# taco_llm-kv-<pid>-<random hex>: a plain name, so no path can reach outside /dev/shm.
-NAME_PATTERN = re.compile(r"taco_llm-kv-[0-9]{1,10}-[0-9a-f]{8,64}")
-NONCE_BYTES = 16
-MAX_WINDOW_BYTES = 4 * 1024**3
 MAX_WINDOWS = 64            # the least recently used beyond this are dropped
 IDLE_SECONDS = 600.0        # a window unused this long is dropped (its client may be gone)
 
 
 class WindowError(Exception):
     """A refusal: the gRPC status, its reason (an ErrorReason value), the field at fault, and a message
-    that names it."""
+    that begins with that field's path (so that `under` can re-root both)."""
 
     def __init__(self, code: grpc.StatusCode, message: str, reason: int, field: str):
         super().__init__(message)
@@ -48,6 +43,11 @@ class WindowError(Exception):
         self.message = message
         self.reason = reason
         self.field = field
+
+    def under(self, parent: str) -> WindowError:
+        """The same refusal for a field that lies in the message `parent` (a WindowRef in a PutBlocks
+        chunk's `windowed` block rather than in the request itself)."""
+        return WindowError(self.code, f"{parent}.{self.message}", self.reason, f"{parent}.{self.field}")
 
 
 @dataclass
@@ -115,9 +115,9 @@ class WindowTable:
         return len(self._windows)
 
     def attach(self, name: str, size: int, nonce: bytes) -> int:
-        if not NAME_PATTERN.fullmatch(name):
+        if not WINDOW_NAME_PATTERN.fullmatch(name):
             raise WindowError(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"name: {name[:80]!r} is not a window name (taco_llm-kv-<pid>-<hex digits>, "
+                              f"name: {name[:80]!r} is not a window name ({WINDOW_NAME_PREFIX}<pid>-<hex digits>, "
                               f"a plain name under {self.shm_dir})", Reason.FIELD_INVALID, "name")
         if not NONCE_BYTES <= size <= MAX_WINDOW_BYTES:
             raise WindowError(grpc.StatusCode.INVALID_ARGUMENT,

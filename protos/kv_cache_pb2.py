@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/kv_cache.proto\x12\x11taco_llm.cache.v1\">\n\tWindowRef\x12\x11\n\twindow_id\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"@\n\x13\x41ttachWindowRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\r\n\x05nonce\x18\x03 \x01(\x0c\")\n\x14\x41ttachWindowResponse\x12\x11\n\twindow_id\x18\x01 \x01(\x04\"(\n\x13\x44\x65tachWindowRequest\x12\x11\n\twindow_id\x18\x01 \x01(\x04\"(\n\x14\x44\x65tachWindowResponse\x12\x10\n\x08\x64\x65tached\x18\x01 \x01(\x08\"\x1d\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"$\n\x0eLookupResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\"d\n\x0b\x42lockHeader\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x12\n\nparent_key\x18\x02 \x01(\x0c\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x14\n\x0cnum_segments\x18\x04 \x01(\r\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\r\"|\n\x0ePutBlocksChunk\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1e.taco_llm.cache.v1.BlockHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12,\n\x06window\x18\x03 \x01(\x0b\x32\x1c.taco_llm.cache.v1.WindowRef\"s\n\x11PutBlocksResponse\x12\x12\n\nnum_stored\x18\x01 \x01(\r\x12\x18\n\x10num_already_held\x18\x02 \x01(\r\x12\x1b\n\x13num_below_threshold\x18\x03 \x01(\r\x12\x13\n\x0bnum_no_room\x18\x04 \x01(\r\"e\n\x10GetBlocksRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x15\n\rsegment_major\x18\x02 \x01(\x08\x12,\n\x06window\x18\x03 \x01(\x0b\x32\x1c.taco_llm.cache.v1.WindowRef\"\x90\x01\n\x0eGetBlocksChunk\x12/\n\x07headers\x18\x01 \x03(\x0b\x32\x1e.taco_llm.cache.v1.BlockHeader\x12\x13\n\x0b\x62lock_index\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x1a\n\x12segments_in_window\x18\x05 \x01(\r\"\x0e\n\x0cStatsRequest\"&\n\tBlockHits\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0c\n\x04hits\x18\x02 \x01(\x04\"\xfa\x03\n\rStatsResponse\x12\x12\n\nbytes_used\x18\x01 \x01(\x04\x12\x14\n\x0c\x62ytes_budget\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\x04\x12\x0f\n\x07lookups\x18\x04 \x01(\x04\x12\x19\n\x11lookup_hit_blocks\x18\x05 \x01(\x04\x12\x1a\n\x12lookup_miss_blocks\x18\x06 \x01(\x04\x12\x15\n\rblocks_served\x18\x07 \x01(\x04\x12\x15\n\rblocks_stored\x18\x08 \x01(\x04\x12\x1e\n\x16\x62locks_below_threshold\x18\t \x01(\x04\x12\x16\n\x0e\x62locks_evicted\x18\n \x01(\x04\x12\x14\n\x0c\x62ytes_stored\x18\x0b \x01(\x04\x12\x14\n\x0c\x62ytes_served\x18\x0c \x01(\x04\x12\x1c\n\x14min_access_threshold\x18\r \x01(\r\x12\x1a\n\x12hit_counts_enabled\x18\x0e \x01(\x08\x12.\n\x08top_hits\x18\x0f \x03(\x0b\x32\x1c.taco_llm.cache.v1.BlockHits\x12\x19\n\x11reads_in_progress\x18\x10 \x01(\r\x12\x18\n\x10\x62ytes_stored_shm\x18\x11 \x01(\x04\x12\x18\n\x10\x62ytes_served_shm\x18\x12 \x01(\x04\x12\x18\n\x10windows_attached\x18\x13 \x01(\r2\x9a\x04\n\x0cKVBlockStore\x12M\n\x06Lookup\x12 .taco_llm.cache.v1.LookupRequest\x1a!.taco_llm.cache.v1.LookupResponse\x12V\n\tPutBlocks\x12!.taco_llm.cache.v1.PutBlocksChunk\x1a$.taco_llm.cache.v1.PutBlocksResponse(\x01\x12U\n\tGetBlocks\x12#.taco_llm.cache.v1.GetBlocksRequest\x1a!.taco_llm.cache.v1.GetBlocksChunk0\x01\x12J\n\x05Stats\x12\x1f.taco_llm.cache.v1.StatsRequest\x1a .taco_llm.cache.v1.StatsResponse\x12_\n\x0c\x41ttachWindow\x12&.taco_llm.cache.v1.AttachWindowRequest\x1a\'.taco_llm.cache.v1.AttachWindowResponse\x12_\n\x0c\x44\x65tachWindow\x12&.taco_llm.cache.v1.DetachWindowRequest\x1a\'.taco_llm.cache.v1.DetachWindowResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/kv_cache.proto\x12\x11taco_llm.cache.v1\">\n\tWindowRef\x12\x11\n\twindow_id\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"@\n\x13\x41ttachWindowRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\r\n\x05nonce\x18\x03 \x01(\x0c\")\n\x14\x41ttachWindowResponse\x12\x11\n\twindow_id\x18\x01 \x01(\x04\"(\n\x13\x44\x65tachWindowRequest\x12\x11\n\twindow_id\x18\x01 \x01(\x04\"(\n\x14\x44\x65tachWindowResponse\x12\x10\n\x08\x64\x65tached\x18\x01 \x01(\x08\"\x1d\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"$\n\x0eLookupResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\"d\n\x0b\x42lockHeader\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x12\n\nparent_key\x18\x02 \x01(\x0c\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x14\n\x0cnum_segments\x18\x04 \x01(\r\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\r\"\x8e\x01\n\x0ePutBlocksChunk\x12.\n\x05start\x18\x01 \x01(\x0b\x32\x1d.taco_llm.cache.v1.BlockStartH\x00\x12\x0e\n\x04more\x18\x02 \x01(\x0cH\x00\x12\x34\n\x08windowed\x18\x03 \x01(\x0b\x32 .taco_llm.cache.v1.WindowedBlockH\x00\x42\x06\n\x04kind\"J\n\nBlockStart\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1e.taco_llm.cache.v1.BlockHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"m\n\rWindowedBlock\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1e.taco_llm.cache.v1.BlockHeader\x12,\n\x06window\x18\x02 \x01(\x0b\x32\x1c.taco_llm.cache.v1.WindowRef\"s\n\x11PutBlocksResponse\x12\x12\n\nnum_stored\x18\x01 \x01(\r\x12\x18\n\x10num_already_held\x18\x02 \x01(\r\x12\x1b\n\x13num_below_threshold\x18\x03 \x01(\r\x12\x13\n\x0bnum_no_room\x18\x04 \x01(\r\"e\n\x10GetBlocksRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x15\n\rsegment_major\x18\x02 \x01(\x08\x12,\n\x06window\x18\x03 \x01(\x0b\x32\x1c.taco_llm.cache.v1.WindowRef\"\xa0\x01\n\x0eGetBlocksChunk\x12\x32\n\x07headers\x18\x01 \x01(\x0b\x32\x1f.taco_llm.cache.v1.BlockHeadersH\x00\x12\x34\n\x0b\x62lock_bytes\x18\x02 \x01(\x0b\x32\x1d.taco_llm.cache.v1.BlockBytesH\x00\x12\x1c\n\x12segments_in_window\x18\x03 \x01(\rH\x00\x42\x06\n\x04kind\">\n\x0c\x42lockHeaders\x12.\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x1e.taco_llm.cache.v1.BlockHeader\"?\n\nBlockBytes\x12\x13\n\x0b\x62lock_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x0e\n\x0cStatsRequest\"&\n\tBlockHits\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0c\n\x04hits\x18\x02 \x01(\x04\"\xfa\x03\n\rStatsResponse\x12\x12\n\nbytes_used\x18\x01 \x01(\x04\x12\x14\n\x0c\x62ytes_budget\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\x04\x12\x0f\n\x07lookups\x18\x04 \x01(\x04\x12\x19\n\x11lookup_hit_blocks\x18\x05 \x01(\x04\x12\x1a\n\x12lookup_miss_blocks\x18\x06 \x01(\x04\x12\x15\n\rblocks_served\x18\x07 \x01(\x04\x12\x15\n\rblocks_stored\x18\x08 \x01(\x04\x12\x1e\n\x16\x62locks_below_threshold\x18\t \x01(\x04\x12\x16\n\x0e\x62locks_evicted\x18\n \x01(\x04\x12\x14\n\x0c\x62ytes_stored\x18\x0b \x01(\x04\x12\x14\n\x0c\x62ytes_served\x18\x0c \x01(\x04\x12\x1c\n\x14min_access_threshold\x18\r \x01(\r\x12\x1a\n\x12hit_counts_enabled\x18\x0e \x01(\x08\x12.\n\x08top_hits\x18\x0f \x03(\x0b\x32\x1c.taco_llm.cache.v1.BlockHits\x12\x19\n\x11reads_in_progress\x18\x10 \x01(\r\x12\x18\n\x10\x62ytes_stored_shm\x18\x11 \x01(\x04\x12\x18\n\x10\x62ytes_served_shm\x18\x12 \x01(\x04\x12\x18\n\x10windows_attached\x18\x13 \x01(\r2\x9a\x04\n\x0cKVBlockStore\x12M\n\x06Lookup\x12 .taco_llm.cache.v1.LookupRequest\x1a!.taco_llm.cache.v1.LookupResponse\x12V\n\tPutBlocks\x12!.taco_llm.cache.v1.PutBlocksChunk\x1a$.taco_llm.cache.v1.PutBlocksResponse(\x01\x12U\n\tGetBlocks\x12#.taco_llm.cache.v1.GetBlocksRequest\x1a!.taco_llm.cache.v1.GetBlocksChunk0\x01\x12J\n\x05Stats\x12\x1f.taco_llm.cache.v1.StatsRequest\x1a .taco_llm.cache.v1.StatsResponse\x12_\n\x0c\x41ttachWindow\x12&.taco_llm.cache.v1.AttachWindowRequest\x1a\'.taco_llm.cache.v1.AttachWindowResponse\x12_\n\x0c\x44\x65tachWindow\x12&.taco_llm.cache.v1.DetachWindowRequest\x1a\'.taco_llm.cache.v1.DetachWindowResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,20 +47,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOOKUPRESPONSE']._serialized_end=368
   _globals['_BLOCKHEADER']._serialized_start=370
   _globals['_BLOCKHEADER']._serialized_end=470
-  _globals['_PUTBLOCKSCHUNK']._serialized_start=472
-  _globals['_PUTBLOCKSCHUNK']._serialized_end=596
-  _globals['_PUTBLOCKSRESPONSE']._serialized_start=598
-  _globals['_PUTBLOCKSRESPONSE']._serialized_end=713
-  _globals['_GETBLOCKSREQUEST']._serialized_start=715
-  _globals['_GETBLOCKSREQUEST']._serialized_end=816
-  _globals['_GETBLOCKSCHUNK']._serialized_start=819
-  _globals['_GETBLOCKSCHUNK']._serialized_end=963
-  _globals['_STATSREQUEST']._serialized_start=965
-  _globals['_STATSREQUEST']._serialized_end=979
-  _globals['_BLOCKHITS']._serialized_start=981
-  _globals['_BLOCKHITS']._serialized_end=1019
-  _globals['_STATSRESPONSE']._serialized_start=1022
-  _globals['_STATSRESPONSE']._serialized_end=1528
-  _globals['_KVBLOCKSTORE']._serialized_start=1531
-  _globals['_KVBLOCKSTORE']._serialized_end=2069
+  _globals['_PUTBLOCKSCHUNK']._serialized_start=473
+  _globals['_PUTBLOCKSCHUNK']._serialized_end=615
+  _globals['_BLOCKSTART']._serialized_start=617
+  _globals['_BLOCKSTART']._serialized_end=691
+  _globals['_WINDOWEDBLOCK']._serialized_start=693
+  _globals['_WINDOWEDBLOCK']._serialized_end=802
+  _globals['_PUTBLOCKSRESPONSE']._serialized_start=804
+  _globals['_PUTBLOCKSRESPONSE']._serialized_end=919
+  _globals['_GETBLOCKSREQUEST']._serialized_start=921
+  _globals['_GETBLOCKSREQUEST']._serialized_end=1022
+  _globals['_GETBLOCKSCHUNK']._serialized_start=1025
+  _globals['_GETBLOCKSCHUNK']._serialized_end=1185
+  _globals['_BLOCKHEADERS']._serialized_start=1187
+  _globals['_BLOCKHEADERS']._serialized_end=1249
+  _globals['_BLOCKBYTES']._serialized_start=1251
+  _globals['_BLOCKBYTES']._serialized_end=1314
+  _globals['_STATSREQUEST']._serialized_start=1316
+  _globals['_STATSREQUEST']._serialized_end=1330
+  _globals['_BLOCKHITS']._serialized_start=1332
+  _globals['_BLOCKHITS']._serialized_end=1370
+  _globals['_STATSRESPONSE']._serialized_start=1373
+  _globals['_STATSRESPONSE']._serialized_end=1879
+  _globals['_KVBLOCKSTORE']._serialized_start=1882
+  _globals['_KVBLOCKSTORE']._serialized_end=2420
 # @@protoc_insertion_point(module_scope)

@@ -71,14 +71,30 @@ class BlockHeader(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., parent_key: _Optional[bytes] = ..., size: _Optional[int] = ..., num_segments: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class PutBlocksChunk(_message.Message):
-    __slots__ = ("header", "data", "window")
+    __slots__ = ("start", "more", "windowed")
+    START_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    WINDOWED_FIELD_NUMBER: _ClassVar[int]
+    start: BlockStart
+    more: bytes
+    windowed: WindowedBlock
+    def __init__(self, start: _Optional[_Union[BlockStart, _Mapping]] = ..., more: _Optional[bytes] = ..., windowed: _Optional[_Union[WindowedBlock, _Mapping]] = ...) -> None: ...
+
+class BlockStart(_message.Message):
+    __slots__ = ("header", "data")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
-    WINDOW_FIELD_NUMBER: _ClassVar[int]
     header: BlockHeader
     data: bytes
+    def __init__(self, header: _Optional[_Union[BlockHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class WindowedBlock(_message.Message):
+    __slots__ = ("header", "window")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    header: BlockHeader
     window: WindowRef
-    def __init__(self, header: _Optional[_Union[BlockHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., window: _Optional[_Union[WindowRef, _Mapping]] = ...) -> None: ...
+    def __init__(self, header: _Optional[_Union[BlockHeader, _Mapping]] = ..., window: _Optional[_Union[WindowRef, _Mapping]] = ...) -> None: ...
 
 class PutBlocksResponse(_message.Message):
     __slots__ = ("num_stored", "num_already_held", "num_below_threshold", "num_no_room")
@@ -103,18 +119,30 @@ class GetBlocksRequest(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., segment_major: _Optional[bool] = ..., window: _Optional[_Union[WindowRef, _Mapping]] = ...) -> None: ...
 
 class GetBlocksChunk(_message.Message):
-    __slots__ = ("headers", "block_index", "offset", "data", "segments_in_window")
+    __slots__ = ("headers", "block_bytes", "segments_in_window")
     HEADERS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_IN_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    headers: BlockHeaders
+    block_bytes: BlockBytes
+    segments_in_window: int
+    def __init__(self, headers: _Optional[_Union[BlockHeaders, _Mapping]] = ..., block_bytes: _Optional[_Union[BlockBytes, _Mapping]] = ..., segments_in_window: _Optional[int] = ...) -> None: ...
+
+class BlockHeaders(_message.Message):
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockHeader]
+    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockHeader, _Mapping]]] = ...) -> None: ...
+
+class BlockBytes(_message.Message):
+    __slots__ = ("block_index", "offset", "data")
     BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
-    SEGMENTS_IN_WINDOW_FIELD_NUMBER: _ClassVar[int]
-    headers: _containers.RepeatedCompositeFieldContainer[BlockHeader]
     block_index: int
     offset: int
     data: bytes
-    segments_in_window: int
-    def __init__(self, headers: _Optional[_Iterable[_Union[BlockHeader, _Mapping]]] = ..., block_index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., segments_in_window: _Optional[int] = ...) -> None: ...
+    def __init__(self, block_index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

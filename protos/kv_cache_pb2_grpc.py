@@ -79,20 +79,21 @@ class KVBlockStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PutBlocks(self, request_iterator, context):
-        """Stores blocks. Each block starts with a chunk carrying its header; its bytes follow in chunks of
-        at most 1 MiB (the header chunk may carry the first bytes). A block is stored once all its bytes
-        arrived and its checksum matches; an error ends the stream, keeping the blocks completed before.
-        Codes: INVALID_ARGUMENT, DATA_LOSS, RESOURCE_EXHAUSTED, FAILED_PRECONDITION (window chunks).
+        """Stores blocks, one after another (see PutBlocksChunk): each is a `start` followed by `more`
+        chunks until its header.size bytes arrived, or one `windowed` chunk naming its bytes in a window.
+        A block is stored once all its bytes arrived and its checksum matches; an error ends the stream,
+        keeping the blocks completed before. Codes: INVALID_ARGUMENT, DATA_LOSS, RESOURCE_EXHAUSTED,
+        FAILED_PRECONDITION (windowed blocks).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetBlocks(self, request, context):
-        """Streams blocks: a first message with every block's header, then the bytes in chunks of at most
-        1 MiB. NOT_FOUND, before any bytes, when a key is not held. While a call streams, its blocks are
-        never evicted. Codes: INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION and RESOURCE_EXHAUSTED
-        (with a window).
+        """Streams blocks (see GetBlocksChunk): first `headers`, every block's header; then the bytes, as
+        `block_bytes` chunks or, with a window, as `segments_in_window` progress. NOT_FOUND, before any
+        bytes, when a key is not held. While a call streams, its blocks are never evicted.
+        Codes: INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION and RESOURCE_EXHAUSTED (with a window).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -9,7 +9,8 @@ import os
 import subprocess
 import sys
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -18,11 +19,12 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cache_service.block_store import BLOCK_OVERHEAD_BYTES, BlockStore, PutOutcome
-from engine_worker.kv_offload.client import BlockPayload, KVBlockClient, window_gone
+from engine_worker.kv_offload.client import Backoff, BlockPayload, KVBlockClient, window_gone
 from engine_worker.kv_offload.hashing import chain_keys, engine_salt, request_salt
 from engine_worker.kv_offload.transfer import KVLayout, LayerwiseLoad, byte_view
 from engine_worker.kv_offload.window import SaveRing, ShmWindow
 from protos import kv_cache_pb2, kv_cache_pb2_grpc, rich_status
+from protos.kv_cache_limits import CHUNK_BYTES, GRPC_MESSAGE_LIMIT, SHM_DIR, WINDOW_NAME_PREFIX, window_name
 from protos.rich_status import ErrorDetails, Reason
 
 from .support import ROOT, Process, free_port, start, wait_until
@@ -190,9 +192,9 @@ def _chunks(key: bytes, data: bytes, parent: bytes = b"", segments: int = 1, che
     header = kv_cache_pb2.BlockHeader(key=key, parent_key=parent, size=len(data) if size is None else size,
                                       num_segments=segments,
                                       checksum=zlib.crc32(data) if checksum is None else checksum)
-    yield kv_cache_pb2.PutBlocksChunk(header=header, data=data[:MiB])
-    for start_at in range(MiB, len(data), MiB):
-        yield kv_cache_pb2.PutBlocksChunk(data=data[start_at:start_at + MiB])
+    yield kv_cache_pb2.PutBlocksChunk(start=kv_cache_pb2.BlockStart(header=header, data=data[:CHUNK_BYTES]))
+    for start_at in range(CHUNK_BYTES, len(data), CHUNK_BYTES):
+        yield kv_cache_pb2.PutBlocksChunk(more=data[start_at:start_at + CHUNK_BYTES])
 
 
 def _error(call: object) -> grpc.RpcError:
@@ -209,14 +211,16 @@ def test_put_then_get_streams_in_chunks_segment_major(stub: kv_cache_pb2_grpc.KV
     assert reply.num_stored == 2
     assert stub.Lookup(kv_cache_pb2.LookupRequest(keys=[*keys, _key("absent")])).num_blocks == 2
     messages = list(stub.GetBlocks(kv_cache_pb2.GetBlocksRequest(keys=keys, segment_major=True)))
-    assert [h.key for h in messages[0].headers] == keys
-    assert all(len(m.data) <= MiB for m in messages)
-    order = [(m.block_index, m.offset) for m in messages[1:]]
+    assert [h.key for h in messages[0].headers.blocks] == keys
+    assert [m.WhichOneof("kind") for m in messages] == ["headers"] + ["block_bytes"] * (len(messages) - 1)
+    chunks = [m.block_bytes for m in messages[1:]]
+    assert all(len(c.data) <= CHUNK_BYTES for c in chunks)
+    order = [(c.block_index, c.offset) for c in chunks]
     segment = len(blocks[keys[0]]) // 4
     assert [o // segment for _, o in order] == sorted(o // segment for _, o in order), "segment 0 of all first"
     rebuilt = {k: bytearray(len(v)) for k, v in blocks.items()}
-    for m in messages[1:]:
-        rebuilt[keys[m.block_index]][m.offset:m.offset + len(m.data)] = m.data
+    for c in chunks:
+        rebuilt[keys[c.block_index]][c.offset:c.offset + len(c.data)] = c.data
     assert {k: bytes(v) for k, v in rebuilt.items()} == blocks
     stats = stub.Stats(kv_cache_pb2.StatsRequest())
     assert stats.blocks_served >= 2 and stats.hit_counts_enabled and stats.top_hits[0].hits >= 1
@@ -232,8 +236,11 @@ def test_put_then_get_streams_in_chunks_segment_major(stub: kv_cache_pb2_grpc.KV
         (lambda: _chunks(_key("g"), b"abcde", segments=2), grpc.StatusCode.INVALID_ARGUMENT, "num_segments"),
         (lambda: _chunks(_key("z"), b"", size=0), grpc.StatusCode.INVALID_ARGUMENT, "size must be positive"),
         (lambda: _chunks(_key("c"), b"abcd", checksum=1), grpc.StatusCode.DATA_LOSS, "checksum mismatch"),
-        (lambda: iter([kv_cache_pb2.PutBlocksChunk(data=b"x")]), grpc.StatusCode.INVALID_ARGUMENT,
+        (lambda: iter([kv_cache_pb2.PutBlocksChunk(more=b"x")]), grpc.StatusCode.INVALID_ARGUMENT,
          "before any block header"),
+        (lambda: iter([kv_cache_pb2.PutBlocksChunk()]), grpc.StatusCode.INVALID_ARGUMENT, "kind:"),
+        (lambda: iter([*_chunks(_key("n1"), b"abcd", size=8), *_chunks(_key("n2"), b"abcd")]),
+         grpc.StatusCode.INVALID_ARGUMENT, "start: the next block began after 4"),
         (lambda: _chunks(_key("o"), b"x", size=64 * MiB), grpc.StatusCode.RESOURCE_EXHAUSTED, "whole budget"),
     ],
 )
@@ -248,10 +255,11 @@ def test_bad_puts_get_precise_errors_and_the_service_stays_up(
 
 
 def test_an_oversized_message_is_refused_by_grpc(stub: kv_cache_pb2_grpc.KVBlockStoreStub) -> None:
-    data = os.urandom(5 * MiB)
+    data = os.urandom(GRPC_MESSAGE_LIMIT + MiB)
     header = kv_cache_pb2.BlockHeader(key=_key("one-message"), size=len(data), num_segments=1,
                                       checksum=zlib.crc32(data))
-    error = _error(lambda: stub.PutBlocks(iter([kv_cache_pb2.PutBlocksChunk(header=header, data=data)])))
+    error = _error(lambda: stub.PutBlocks(iter([kv_cache_pb2.PutBlocksChunk(
+        start=kv_cache_pb2.BlockStart(header=header, data=data))])))
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
@@ -299,7 +307,7 @@ def _window_chunks(keys: list[bytes], blocks: list[bytes], window: ShmWindow, se
         header = kv_cache_pb2.BlockHeader(key=key, parent_key=keys[i - 1] if i else b"", size=len(data),
                                           num_segments=segments, checksum=zlib.crc32(data))
         ref = kv_cache_pb2.WindowRef(window_id=window.window_id, offset=offset, length=len(data))
-        yield kv_cache_pb2.PutBlocksChunk(header=header, window=ref)
+        yield kv_cache_pb2.PutBlocksChunk(windowed=kv_cache_pb2.WindowedBlock(header=header, window=ref))
         offset += len(data)
 
 
@@ -331,15 +339,16 @@ def test_put_and_get_through_a_window_match_the_grpc_path_byte_for_byte(
         ref = kv_cache_pb2.WindowRef(window_id=window.window_id, offset=4096, length=size)
         window.tensor.zero_()
         messages = list(stub.GetBlocks(kv_cache_pb2.GetBlocksRequest(keys=keys, segment_major=True, window=ref)))
-        assert [h.key for h in messages[0].headers] == keys
+        assert [h.key for h in messages[0].headers.blocks] == keys
         assert [m.segments_in_window for m in messages[1:]] == list(range(1, segments + 1))
-        assert all(not m.data for m in messages)
+        assert [m.WhichOneof("kind") for m in messages[1:]] == ["segments_in_window"] * segments  # no bytes
         staged = window.tensor[4096:4096 + size].numpy().tobytes()
         assert _segment_major_to_blocks(staged, [len(b) for b in blocks], segments) == blocks
-        assert [h.checksum for h in messages[0].headers] == [zlib.crc32(b) for b in blocks]
+        assert [h.checksum for h in messages[0].headers.blocks] == [zlib.crc32(b) for b in blocks]
         rebuilt = [bytearray(len(b)) for b in blocks]  # the gRPC path, for the same keys
         for m in list(stub.GetBlocks(kv_cache_pb2.GetBlocksRequest(keys=keys, segment_major=True)))[1:]:
-            rebuilt[m.block_index][m.offset:m.offset + len(m.data)] = m.data
+            c = m.block_bytes
+            rebuilt[c.block_index][c.offset:c.offset + len(c.data)] = c.data
         assert [bytes(b) for b in rebuilt] == blocks
     after = stub.Stats(kv_cache_pb2.StatsRequest())
     assert after.bytes_stored_shm - before.bytes_stored_shm == size
@@ -351,7 +360,7 @@ def test_put_and_get_through_a_window_match_the_grpc_path_byte_for_byte(
 
 
 def _window_file(name: str, size: int, nonce: bytes) -> Path:
-    path = Path("/dev/shm") / name
+    path = Path(SHM_DIR) / name
     path.write_bytes(nonce + bytes(size - len(nonce)))
     path.chmod(0o600)
     return path
@@ -364,14 +373,14 @@ def _attach_error(stub: kv_cache_pb2_grpc.KVBlockStoreStub, name: str, size: int
 def test_bad_windows_are_refused_precisely_and_the_service_stays_up(
         stub: kv_cache_pb2_grpc.KVBlockStoreStub, tmp_path: Path) -> None:
     nonce = os.urandom(16)
-    name = f"taco_llm-kv-{os.getpid()}-{os.urandom(8).hex()}"
+    name = window_name(os.getpid(), os.urandom(8).hex())
     INVALID, PRECONDITION = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
     outside = tmp_path / name
     outside.write_bytes(nonce + bytes(4080))
     cases: list[tuple[str, int, bytes, grpc.StatusCode, str]] = [
         ("../../etc/passwd", 4096, nonce, INVALID, "name:"),
         (f"../{name}", 4096, nonce, INVALID, "name:"),
-        (f"taco_llm-kv-1-{'z' * 16}", 4096, nonce, INVALID, "name:"),
+        (f"{WINDOW_NAME_PREFIX}1-{'z' * 16}", 4096, nonce, INVALID, "name:"),
         ("psm_12345678", 4096, nonce, INVALID, "name:"),
         (name, 4096, nonce, PRECONDITION, "not reachable"),  # no such file here: another host
         (name, 4096, nonce[:8], INVALID, "nonce:"),
@@ -387,12 +396,12 @@ def test_bad_windows_are_refused_precisely_and_the_service_stays_up(
         assert error.code() == INVALID and "size: the window" in (error.details() or ""), error.details()
         error = _attach_error(stub, name, 4096, os.urandom(16))
         assert error.code() == PRECONDITION and "nonce:" in (error.details() or ""), error.details()
-        link = Path("/dev/shm") / f"taco_llm-kv-{os.getpid()}-{os.urandom(8).hex()}"
+        link = Path(SHM_DIR) / window_name(os.getpid(), os.urandom(8).hex())
         link.symlink_to(outside)
         created.append(link)
         error = _attach_error(stub, link.name, 4096, nonce)
         assert error.code() == INVALID and "symbolic link" in (error.details() or ""), error.details()
-        folder = Path("/dev/shm") / f"taco_llm-kv-{os.getpid()}-{os.urandom(8).hex()}"
+        folder = Path(SHM_DIR) / window_name(os.getpid(), os.urandom(8).hex())
         folder.mkdir()
         try:
             error = _attach_error(stub, folder.name, 4096, nonce)
@@ -420,6 +429,9 @@ def test_bad_window_refs_on_puts_and_gets_get_precise_errors(stub: kv_cache_pb2_
     def put(chunk: kv_cache_pb2.PutBlocksChunk, *more: kv_cache_pb2.PutBlocksChunk) -> grpc.RpcError:
         return _error(lambda: stub.PutBlocks(iter([chunk, *more])))
 
+    def windowed(header: kv_cache_pb2.BlockHeader, window: kv_cache_pb2.WindowRef) -> kv_cache_pb2.PutBlocksChunk:
+        return kv_cache_pb2.PutBlocksChunk(windowed=kv_cache_pb2.WindowedBlock(header=header, window=window))
+
     header = kv_cache_pb2.BlockHeader(key=_key("via-window"), size=4000, num_segments=4, checksum=zlib.crc32(data))
     window.tensor[:4000] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     ref = kv_cache_pb2.WindowRef
@@ -431,26 +443,28 @@ def test_bad_window_refs_on_puts_and_gets_get_precise_errors(stub: kv_cache_pb2_
          "window.length 4000 at offset"),
         (get(ref(window_id=wid, offset=0, length=100)), grpc.StatusCode.INVALID_ARGUMENT,
          "window.length 100 cannot hold"),
-        (put(kv_cache_pb2.PutBlocksChunk(header=header, window=ref(window_id=wid + 1, offset=0, length=4000))),
-         grpc.StatusCode.FAILED_PRECONDITION, "window.window_id"),
-        (put(kv_cache_pb2.PutBlocksChunk(header=header, window=ref(window_id=wid, offset=0, length=3999))),
-         grpc.StatusCode.INVALID_ARGUMENT, "window.length 3999 is not header.size"),
-        (put(kv_cache_pb2.PutBlocksChunk(header=header, window=ref(window_id=wid, offset=MiB - 10, length=4000))),
-         grpc.StatusCode.INVALID_ARGUMENT, "window.length 4000 at offset"),
-        (put(kv_cache_pb2.PutBlocksChunk(header=header, data=b"x", window=ref(window_id=wid, offset=0,
-                                                                               length=4000))),
-         grpc.StatusCode.INVALID_ARGUMENT, "data:"),
-        (put(kv_cache_pb2.PutBlocksChunk(header=header, data=data[:10]),
-             kv_cache_pb2.PutBlocksChunk(window=ref(window_id=wid, offset=0, length=4000))),
-         grpc.StatusCode.INVALID_ARGUMENT, "window: only a block's header chunk"),
-        (put(kv_cache_pb2.PutBlocksChunk(
-            header=kv_cache_pb2.BlockHeader(key=_key("bad-crc"), size=4000, num_segments=4, checksum=1),
-            window=ref(window_id=wid, offset=0, length=4000))), grpc.StatusCode.DATA_LOSS, "checksum mismatch"),
+        (put(windowed(header, ref(window_id=wid + 1, offset=0, length=4000))),
+         grpc.StatusCode.FAILED_PRECONDITION, "windowed.window.window_id"),
+        (put(windowed(header, ref(window_id=wid, offset=0, length=3999))),
+         grpc.StatusCode.INVALID_ARGUMENT, "windowed.window.length 3999 is not windowed.header.size"),
+        (put(windowed(header, ref(window_id=wid, offset=MiB - 10, length=4000))),
+         grpc.StatusCode.INVALID_ARGUMENT, "windowed.window.length 4000 at offset"),
+        # A windowed block carries no bytes in the stream: any that follow it are refused (after it is stored).
+        (put(windowed(kv_cache_pb2.BlockHeader(key=_key("then-more"), size=4000, num_segments=4,
+                                               checksum=zlib.crc32(data)), ref(window_id=wid, offset=0, length=4000)),
+             kv_cache_pb2.PutBlocksChunk(more=b"x")), grpc.StatusCode.INVALID_ARGUMENT, "more:"),
+        (put(kv_cache_pb2.PutBlocksChunk(start=kv_cache_pb2.BlockStart(header=header, data=data[:10])),
+             windowed(header, ref(window_id=wid, offset=0, length=4000))),
+         grpc.StatusCode.INVALID_ARGUMENT, "windowed: the next block began after 10"),
+        (put(windowed(kv_cache_pb2.BlockHeader(key=_key("bad-crc"), size=4000, num_segments=4, checksum=1),
+                      ref(window_id=wid, offset=0, length=4000))), grpc.StatusCode.DATA_LOSS, "checksum mismatch"),
     ]
     for error, code, words in cases:
         assert error.code() == code and words in (error.details() or ""), (code, words, error.details())
-    assert stub.PutBlocks(iter([kv_cache_pb2.PutBlocksChunk(
-        header=header, window=ref(window_id=wid, offset=0, length=4000))])).num_stored == 1
+    fields = [rich_status.details_of(error).field for error, _, _ in cases[4:]]
+    assert fields == ["windowed.window.window_id", "windowed.window.length", "windowed.window.length", "more",
+                      "windowed", "windowed.header.checksum"]
+    assert stub.PutBlocks(iter([windowed(header, ref(window_id=wid, offset=0, length=4000))])).num_stored == 1
     window.close()
 
 
@@ -463,8 +477,10 @@ def test_a_client_that_shrinks_its_window_cannot_hurt_the_service(stub: kv_cache
     data = os.urandom(4000)
     header = kv_cache_pb2.BlockHeader(key=_key("shrunk"), size=4000, num_segments=1, checksum=zlib.crc32(data))
     ref = kv_cache_pb2.WindowRef(window_id=reply.window_id, offset=0, length=4000)
-    error = _error(lambda: stub.PutBlocks(iter([kv_cache_pb2.PutBlocksChunk(header=header, window=ref)])))
+    error = _error(lambda: stub.PutBlocks(iter([kv_cache_pb2.PutBlocksChunk(
+        windowed=kv_cache_pb2.WindowedBlock(header=header, window=ref))])))
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "shrank" in (error.details() or "")
+    assert rich_status.details_of(error) == ErrorDetails("WINDOW_IO_FAILED", "windowed.window")
     assert stub.PutBlocks(_chunks(_key("shrunk"), data)).num_stored == 1
     messages = list(stub.GetBlocks(kv_cache_pb2.GetBlocksRequest(keys=[_key("shrunk")], window=ref)))
     assert messages[-1].segments_in_window == 1  # the write grew the file again: harmless to the service
@@ -484,6 +500,68 @@ def test_save_ring_hands_out_fifo_ranges_and_wraps() -> None:
     assert ring.allocate(500) == 400 and ring.in_use() == 900
     assert ring.allocate(0) is None and ring.allocate(1001) is None
     window.close()
+
+
+class _ScriptedStream:
+    """A GetBlocks call that answers with the given messages."""
+
+    def __init__(self, messages: Sequence[kv_cache_pb2.GetBlocksChunk]):
+        self._messages = iter(messages)
+
+    def __iter__(self) -> _ScriptedStream:
+        return self
+
+    def __next__(self) -> kv_cache_pb2.GetBlocksChunk:
+        return next(self._messages)
+
+    def cancel(self) -> bool:
+        return True
+
+
+class _ScriptedClient:
+    """What LayerwiseLoad uses of KVBlockClient, with no window (gRPC bytes) and a scripted GetBlocks."""
+
+    def __init__(self, messages: Sequence[kv_cache_pb2.GetBlocksChunk]):
+        self.backoff = Backoff("scripted")
+        self.messages = messages
+
+    @contextmanager
+    def load_window(self, size: int) -> Iterator[None]:
+        yield None
+
+    def get_stream(self, keys: Sequence[bytes], timeout: float,
+                   window: kv_cache_pb2.WindowRef | None = None) -> _ScriptedStream:
+        return _ScriptedStream(self.messages)
+
+
+def test_a_load_takes_only_the_message_kinds_due(caplog: pytest.LogCaptureFixture) -> None:
+    layers = [torch.randn(2, 4, 8) for _ in range(2)]  # block_dim 1: a segment is 2 x 8 floats
+    layout = KVLayout(layers, block_dim=1)
+    block = torch.cat([layer[:, 1].flatten() for layer in layers]).view(torch.uint8).numpy().tobytes()
+    header = kv_cache_pb2.BlockHeader(key=_key("scripted"), size=layout.block_bytes, num_segments=2,
+                                      checksum=zlib.crc32(block))
+    headers = kv_cache_pb2.GetBlocksChunk(headers=kv_cache_pb2.BlockHeaders(blocks=[header]))
+    data = kv_cache_pb2.GetBlocksChunk(block_bytes=kv_cache_pb2.BlockBytes(block_index=0, offset=0, data=block))
+
+    def load(*messages: kv_cache_pb2.GetBlocksChunk) -> bool:
+        layers[0][:, 2] = layers[1][:, 2] = 0
+        loading = LayerwiseLoad(layout, _ScriptedClient(messages), [header.key], [2])
+        loading.start()
+        return loading.join()
+
+    assert load(headers, data) and all(torch.equal(layer[:, 1], layer[:, 2]) for layer in layers)
+    cases = [
+        ((kv_cache_pb2.GetBlocksChunk(segments_in_window=2),), "GetBlocks began with segments_in_window"),
+        ((headers, kv_cache_pb2.GetBlocksChunk(segments_in_window=2)),
+         "GetBlocks sent segments_in_window where block_bytes was due"),
+        ((headers, headers), "GetBlocks sent headers where block_bytes was due"),
+        ((headers, kv_cache_pb2.GetBlocksChunk()), "GetBlocks sent an empty message where block_bytes was due"),
+    ]
+    for messages, words in cases:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="taco_llm.kv_offload"):
+            assert not load(*messages)
+        assert any(words in r.getMessage() for r in caplog.records), (words, caplog.records)
 
 
 def test_the_client_reattaches_after_a_service_restart_and_falls_back_to_grpc_bytes(
@@ -553,7 +631,8 @@ def test_the_client_reattaches_after_a_service_restart_and_falls_back_to_grpc_by
     finally:
         client.close()
         first.stop()
-    assert not list(tmp_path.glob("taco_llm-kv-*")) and not list(Path("/dev/shm").glob(f"taco_llm-kv-{os.getpid()}-*"))
+    assert not list(tmp_path.glob(f"{WINDOW_NAME_PREFIX}*"))
+    assert not list(Path(SHM_DIR).glob(f"{WINDOW_NAME_PREFIX}{os.getpid()}-*"))
 
 
 def _reachable(stub: kv_cache_pb2_grpc.KVBlockStoreStub) -> bool:

@@ -24,23 +24,23 @@ from typing import Protocol
 import grpc
 
 from protos import kv_cache_pb2, kv_cache_pb2_grpc
+from protos.kv_cache_limits import CHUNK_BYTES, GRPC_MESSAGE_LIMIT, MAX_WINDOW_BYTES, SHM_DIR
 from protos.rich_status import Reason, has_reason
 
-from .window import SHM_DIR, ShmWindow
+from .window import ShmWindow
 
 logger = logging.getLogger("taco_llm.kv_offload")
 
-CHUNK_BYTES = 1024 * 1024  # the service's chunk limit (cache_service/kv_servicer.py)
-GRPC_MESSAGE_LIMIT = 4 * CHUNK_BYTES
 BACKOFF_FIRST_SECONDS = 0.5
 BACKOFF_MAX_SECONDS = 10.0
 CONNECT_TIMEOUT_SECONDS = 5.0
 WINDOW_CALL_TIMEOUT_SECONDS = 5.0
 TRANSPORTS = ("auto", "grpc")
 # The load window grows to the next power of two a load needs, from the first size up to the cap;
-# a larger load goes as gRPC bytes. Windows are transport buffers: this memory is the worker's.
+# a larger load goes as gRPC bytes. Windows are transport buffers: this memory is the worker's. The
+# cap stays within the largest window the service attaches.
 LOAD_WINDOW_FIRST_BYTES = 64 * 1024**2
-LOAD_WINDOW_MAX_BYTES = 2 * 1024**3
+LOAD_WINDOW_MAX_BYTES = min(2 * 1024**3, MAX_WINDOW_BYTES)
 
 
 @dataclass
@@ -252,14 +252,17 @@ class KVBlockClient:
 
 
 def _put_chunks(blocks: Sequence[BlockPayload], window: ShmWindow | None) -> Iterator[kv_cache_pb2.PutBlocksChunk]:
+    """The PutBlocks stream: each block as one `windowed` chunk naming its range of `window`, or as a
+    `start` with its first bytes and `more` chunks with the rest."""
     for block in blocks:
         view = memoryview(block.data)
         header = kv_cache_pb2.BlockHeader(key=block.key, parent_key=block.parent_key, size=len(view),
                                           num_segments=block.num_segments, checksum=zlib.crc32(view))
         if window is not None and block.window_offset is not None:
             ref = kv_cache_pb2.WindowRef(window_id=window.window_id, offset=block.window_offset, length=len(view))
-            yield kv_cache_pb2.PutBlocksChunk(header=header, window=ref)
+            yield kv_cache_pb2.PutBlocksChunk(windowed=kv_cache_pb2.WindowedBlock(header=header, window=ref))
             continue
-        yield kv_cache_pb2.PutBlocksChunk(header=header, data=bytes(view[:CHUNK_BYTES]))
+        yield kv_cache_pb2.PutBlocksChunk(start=kv_cache_pb2.BlockStart(header=header,
+                                                                        data=bytes(view[:CHUNK_BYTES])))
         for start in range(CHUNK_BYTES, len(view), CHUNK_BYTES):
-            yield kv_cache_pb2.PutBlocksChunk(data=bytes(view[start:start + CHUNK_BYTES]))
+            yield kv_cache_pb2.PutBlocksChunk(more=bytes(view[start:start + CHUNK_BYTES]))
