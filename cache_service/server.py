@@ -13,14 +13,15 @@ from grpc_reflection.v1alpha import reflection
 
 from protos import kv_cache_pb2, kv_cache_pb2_grpc, lookahead_pb2, lookahead_pb2_grpc
 
+# One limit for every service of this server, the lookahead index's too.
+from protos.kv_cache_limits import GRPC_MESSAGE_LIMIT
+
 from .config import CacheServiceConfig
-from .kv_servicer import CHUNK_BYTES, KVBlockStoreServicer
+from .kv_servicer import KVBlockStoreServicer
 from .lookahead_servicer import LookaheadIndexServicer
 
 logger = logging.getLogger(__name__)
 
-# Chunks are at most CHUNK_BYTES; the limit leaves room for headers and refuses anything larger.
-GRPC_MESSAGE_LIMIT = 4 * CHUNK_BYTES
 SHUTDOWN_GRACE_SECONDS = 5.0
 
 

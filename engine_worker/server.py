@@ -17,7 +17,8 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import multiprocess
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from protos import engine_pb2, engine_pb2_grpc
+from protos import engine_pb2_grpc
+from protos.engine_limits import ENGINE_SERVICE, GRPC_MESSAGE_LIMIT
 
 from .args import WorkerArgs
 from .auth import ApiKeyInterceptor
@@ -29,8 +30,6 @@ from .vllm_internals import get_prometheus_registry
 
 logger = logging.getLogger(__name__)
 
-ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
-GRPC_MESSAGE_LIMIT = 64 * 1024 * 1024
 # In-flight streams get this long to finish on shutdown; then they are cancelled, which aborts them.
 SHUTDOWN_GRACE_SECONDS = 5.0
 

@@ -13,13 +13,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import engine_pb2, engine_pb2_grpc
+from protos.engine_limits import ENGINE_SERVICE, GRPC_MESSAGE_LIMIT
 
 from .errors import APIError
 
 logger = logging.getLogger(__name__)
 
 # Long prompts and many logprobs make big messages; the gRPC default of 4 MiB is too small.
-GRPC_MESSAGE_LIMIT = 64 * 1024 * 1024
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", GRPC_MESSAGE_LIMIT),
     ("grpc.max_receive_message_length", GRPC_MESSAGE_LIMIT),
@@ -31,7 +31,6 @@ GRPC_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
-ENGINE_SERVICE = "taco_llm.engine.v1.Engine"
 MISSED_CHECKS_BEFORE_UNREADY = 3
 
 
