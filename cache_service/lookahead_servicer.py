@@ -24,6 +24,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from protos import lookahead_pb2, lookahead_pb2_grpc
+from protos.kv_cache_limits import GRPC_MESSAGE_LIMIT
 from protos.rich_status import Reason, abort
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ MAX_RECORDS = 200_000  # per namespace; Redis trims the oldest beyond this (appr
 MAX_PUBLISH_TOKENS = 4_000_000
 MAX_NAMESPACE_LENGTH = 512
 READ_BATCH = 256
+SUBSCRIBE_RESPONSE_BYTES = GRPC_MESSAGE_LIMIT // 2
 LIVE_BLOCK_MS = 5_000
 LOG_ID = re.compile(r"\d+(-\d+)?")
 
@@ -130,11 +132,15 @@ class LookaheadIndexServicer(lookahead_pb2_grpc.LookaheadIndexServicer):
             records = [_record(entry_id, fields) for _, entries in reply for entry_id, fields in entries]
             if records:
                 after = records[-1].id
+            parts = _within_message_limit(records)
             if not caught_up and len(records) < READ_BATCH:
                 caught_up = True
-                yield lookahead_pb2.SubscribeResponse(records=records, caught_up=True)
+                for part in parts[:-1]:
+                    yield lookahead_pb2.SubscribeResponse(records=part)
+                yield lookahead_pb2.SubscribeResponse(records=parts[-1], caught_up=True)
             elif records:
-                yield lookahead_pb2.SubscribeResponse(records=records)
+                for part in parts:
+                    yield lookahead_pb2.SubscribeResponse(records=part)
 
     async def GetStats(self, request: lookahead_pb2.GetStatsRequest,
                        context: grpc.aio.ServicerContext) -> lookahead_pb2.IndexStats:
@@ -153,6 +159,21 @@ class LookaheadIndexServicer(lookahead_pb2_grpc.LookaheadIndexServicer):
     async def close(self) -> None:
         if self.redis is not None:
             await self.redis.aclose()
+
+
+def _within_message_limit(records: list[lookahead_pb2.Record]) -> list[list[lookahead_pb2.Record]]:
+    """The records in order, cut into responses that stay well inside the server's message limit (a
+    batch of long sequences would otherwise fail to send, and the subscriber would ask for it again
+    for ever). Never empty: one empty part when there are no records."""
+    parts: list[list[lookahead_pb2.Record]] = [[]]
+    size = 0
+    for record in records:
+        if parts[-1] and size + record.ByteSize() > SUBSCRIBE_RESPONSE_BYTES:
+            parts.append([])
+            size = 0
+        parts[-1].append(record)
+        size += record.ByteSize()
+    return parts
 
 
 async def _entries(client: redis.Redis, key: str) -> AsyncIterator[tuple[bytes, dict[bytes, bytes]]]:

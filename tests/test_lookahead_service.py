@@ -179,3 +179,23 @@ def test_stopping_a_sync_publishes_what_waits_and_ends_its_threads(service: str)
     finally:
         sync.stop()
         reader.stop()
+
+
+def test_long_sequences_travel_in_messages_the_service_accepts(service: str) -> None:
+    # 60 sequences of 30,000 tokens, 3 bytes each: some 5.4 MB, past the cache service's 4 MiB message
+    # limit, which one Publish or one Subscribe response of them all would pass.
+    sync = IndexSync(service, "model-g:1", "worker-5")
+    reader = IndexSync(service, "model-g:1", "reader")
+    sync.start()
+    try:
+        assert sync.caught_up.wait(20)
+        for n in range(60):
+            sync.publish([], [40_000 + n] * 30_000)
+        wait_for(lambda: sync.published == 60, timeout=30)
+        reader.start()
+        wait_for(lambda: len(reader.inbox) == 60, timeout=30)
+        assert [s.output[0] for s in reader.inbox] == [40_000 + n for n in range(60)]
+        assert sync.dropped == 0
+    finally:
+        sync.stop()
+        reader.stop()

@@ -18,11 +18,15 @@ from dataclasses import dataclass
 import grpc
 
 from protos import lookahead_pb2, lookahead_pb2_grpc
+from protos.kv_cache_limits import GRPC_MESSAGE_LIMIT
 
 logger = logging.getLogger(__name__)
 
 OUTBOX_LIMIT = 10_000
 PUBLISH_BATCH = 64
+# A Publish stays well inside the cache service's message limit (it serves every service with one),
+# or the service would refuse it and the same batch would be retried for ever.
+PUBLISH_BATCH_BYTES = GRPC_MESSAGE_LIMIT // 2
 MAX_BACKOFF_SECONDS = 10.0
 
 
@@ -48,7 +52,8 @@ class IndexSync:
         self.connected = False
         self._unsent = 0
         self._stopping = threading.Event()
-        self._channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
+        self._channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", GRPC_MESSAGE_LIMIT),
+                                                                ("grpc.max_send_message_length", GRPC_MESSAGE_LIMIT)])
         self._stub = lookahead_pb2_grpc.LookaheadIndexStub(self._channel)
         self._threads = [threading.Thread(target=self._subscribe_forever, name="lookahead-subscribe", daemon=True),
                          threading.Thread(target=self._publish_forever, name="lookahead-publish", daemon=True)]
@@ -121,24 +126,39 @@ class IndexSync:
     def _publish_forever(self) -> None:
         backoff = 0.25
         batch: list[lookahead_pb2.Record] = []
+        held: lookahead_pb2.Record | None = None  # taken from the outbox, too large for the batch it met
         while not self._stopping.is_set():
             if not batch:
-                try:
-                    batch.append(self.outbox.get(timeout=0.5))
-                except queue.Empty:
+                if held is None:
+                    try:
+                        held = self.outbox.get(timeout=0.5)
+                    except queue.Empty:
+                        continue
+                if held.ByteSize() > PUBLISH_BATCH_BYTES:  # no Publish could carry it
+                    self.dropped += 1
+                    logger.warning("lookahead index: a sequence of %d tokens is too large to publish; kept "
+                                   "only by this worker", len(held.prompt) + len(held.output))
+                    held = None
                     continue
-            while len(batch) < PUBLISH_BATCH:
+                batch, held = [held], None
+            size = sum(record.ByteSize() for record in batch)
+            while held is None and len(batch) < PUBLISH_BATCH:
                 try:
-                    batch.append(self.outbox.get_nowait())
+                    record = self.outbox.get_nowait()
                 except queue.Empty:
                     break
-            self._unsent = len(batch)
+                if size + record.ByteSize() > PUBLISH_BATCH_BYTES:
+                    held = record
+                else:
+                    batch.append(record)
+                    size += record.ByteSize()
+            self._unsent = len(batch) + (held is not None)
             try:
                 self._stub.Publish(lookahead_pb2.PublishRequest(namespace=self.namespace, records=batch),
                                    timeout=5.0)
                 self.published += len(batch)
                 batch = []
-                self._unsent = 0
+                self._unsent = int(held is not None)
                 backoff = 0.25
                 self._set_connected(True)
             except grpc.RpcError as error:
