@@ -62,8 +62,15 @@ class ServingCompletion:
                                   return_token_ids=bool(body.return_token_ids),
                                   prompt_logprobs=body.prompt_logprobs is not None),
         )
-        batch = [OpenPrompt(s, await self._echo(s, p) if body.echo else "")
-                 for s, p in zip(streams, prompts, strict=True)]
+        try:
+            batch = [OpenPrompt(s, await self._echo(s, p) if body.echo else "")
+                     for s, p in zip(streams, prompts, strict=True)]
+        except BaseException:
+            # A refused echo (an out-of-vocabulary token id, say) ends the request: its open streams
+            # must end too, or their engine requests run on and the worker looks busier than it is.
+            for stream in streams:
+                stream.close()
+            raise
         if body.stream:
             return StreamingResponse(self._chunks(context, batch), media_type="text/event-stream")
         return await unless_disconnected(request, self._whole(context, batch))

@@ -284,6 +284,39 @@ def test_completion_batch_whole_and_models() -> None:
     assert models["alias"]["parent"] is None and models["alias"]["root"] == "/base"
 
 
+class _RefusingDetokenize(_Stub):
+    """A worker that runs prompts but refuses to turn their token ids back into text."""
+
+    def __init__(self, messages: list[engine_pb2.GenerateResponse]):
+        super().__init__(messages)
+        self.calls: list[_Call] = []
+
+    def Generate(self, request: engine_pb2.GenerateRequest, metadata: object = ()) -> _Call:
+        call = _Call(self.messages)
+        call.cancel = lambda: self.calls.append(call) or True  # type: ignore[method-assign]
+        return call
+
+    async def Detokenize(self, request: engine_pb2.DetokenizeRequest, metadata: object = ()) -> object:
+        raise grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                   details="token_ids: 99999 is outside the vocabulary")
+
+
+def test_a_refused_echo_closes_every_stream_it_opened() -> None:
+    pool = _serving_pool(_canned("!"))
+    stub = _RefusingDetokenize(_canned("!"))
+    pool.clients[0].stub = stub  # type: ignore[assignment]
+    completion = ServingCompletion(EngineCalls(pool), token_text=TokenText(as_token_ids=False))
+    body = CompletionRequest.model_validate({"model": "base", "prompt": [[1, 2], [3, 4]], "echo": True})
+
+    async def run() -> object:
+        return await completion.create(body, _staying_client())
+
+    with pytest.raises(APIError):
+        asyncio.run(run())
+    assert len(stub.calls) == 2, f"{len(stub.calls)} of the 2 engine calls were cancelled"
+    assert pool.clients[0].in_flight == 0, "the worker still counts the refused request's streams"
+
+
 def test_app_factory_assembles_every_route() -> None:
     app = create_app(GatewaySettings(engines=["127.0.0.1:1"]))
     paths = {getattr(route, "path", None) for route in app.routes}
