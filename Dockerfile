@@ -5,7 +5,7 @@ WORKDIR /app
 RUN apt-get update && apt-get install -y --no-install-recommends make gcc g++ && rm -rf /var/lib/apt/lists/*
 COPY . /app
 RUN make install TARGET=${TARGET} VENV=/opt/taco && \
-    /opt/taco/bin/python -c "from engine_worker.default_model import ensure_default_model; ensure_default_model()"
+    /opt/taco/bin/python -c "from taco_llm.engine_worker.frontend.default_model import ensure_default_model; ensure_default_model()"
 ENV PATH=/opt/taco/bin:$PATH
 EXPOSE 8000 50051
 CMD ["taco_llm", "serve", "--host", "0.0.0.0"]

@@ -22,6 +22,8 @@ test:
 
 lint:
 	$(BIN)/ruff check .
+	# mypy reads taco_llm through build/typecheck (see taco_llm/typecheck_tree.py)
+	$(BIN)/python -m taco_llm.typecheck_tree
 	$(BIN)/mypy
 
 protos:

@@ -1,5 +1,5 @@
 """What a drafted token costs, as a share of one decoding step: the ratio behind the Lookahead Cache's
-per-device `draft_token_cost` defaults (engine_worker/lookahead/acceptance.py).
+per-device `draft_token_cost` defaults (engine_worker/core/lookahead/acceptance.py).
 
 A step that verifies k drafted tokens runs the model on 1 + k query tokens per sequence instead of 1,
 over the same KV cache. This times one forward pass of a Llama-shaped decoder (random weights; the

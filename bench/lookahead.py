@@ -82,7 +82,9 @@ TEMPLATE = ("Write a product card for {item}. Use exactly this form, filling in 
 
 
 def _code_files() -> list[str]:
-    files = sorted((ROOT / "gateway").glob("*.py")) + sorted((ROOT / "engine_worker").glob("*.py"))
+    # The gateway's and the worker's modules, not the worker's lookahead/ and kv_offload/ subpackages.
+    worker = [path for folder in ("", "frontend", "core") for path in (ROOT / "engine_worker" / folder).glob("*.py")]
+    files = sorted((ROOT / "gateway").glob("*.py")) + sorted(worker)
     return [path.read_text()[:900] for path in files if len(path.read_text()) > 900]
 
 

@@ -40,9 +40,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine_worker.lookahead.config import WARMUP_FILE  # noqa: E402
-from engine_worker.lookahead.proposer import LookaheadProposer  # noqa: E402
-from engine_worker.lookahead.settings import LookaheadSettings  # noqa: E402
+from taco_llm.engine_worker.core.lookahead.proposer import LookaheadProposer  # noqa: E402
+from taco_llm.engine_worker.handoff import LookaheadSettings  # noqa: E402
+from taco_llm.engine_worker.lookahead_settings import WARMUP_FILE  # noqa: E402
 
 RECORDED = ROOT / "bench" / "results" / "greedy_outputs.json"
 # Seconds per unit of work, fitted by least squares (--fit) to bench/lookahead.py's run of 2026-12-04:
@@ -140,7 +140,7 @@ class Ngram:
     def __init__(self) -> None:
         from lookahead import SPECULATIVE
 
-        from engine_worker.vllm_internals import NgramProposer
+        from taco_llm.engine_worker.vllm_internals import NgramProposer
 
         spec = SPECULATIVE["ngram"]
         self.k = int(spec["num_speculative_tokens"])

@@ -15,7 +15,7 @@ first streamed token. Then each server is restarted and the first request's TTFT
 offload can hit: its blocks live in the cache service). `offload_grpc` (not in the default list) is
 offload with `--apc-offload-transport grpc`.
 
-Throughput (first, before any engine): the worker's own transfer code (engine_worker/kv_offload)
+Throughput (first, before any engine): the worker's own transfer code (engine_worker/core/kv_offload)
 against the cache service, on a stand-in KV cache shaped like the real one (bf16 SmolLM2-135M: 30
 layers x K/V x 3 heads x 128 tokens x 64 dims = 2.95 MB a block). A put is the worker's save: one
 gather out of the KV cache (into the shared-memory ring, or a private buffer), CRC-32, PutBlocks. A get
@@ -126,9 +126,9 @@ def _throughput(address: str, rounds: int, blocks_per_round: int, put_batch: int
     """put and get MB/s through the worker's transfer code, gRPC bytes and shared memory taking turns."""
     import torch
 
-    from engine_worker.kv_offload.client import BlockPayload, KVBlockClient
-    from engine_worker.kv_offload.transfer import SAVE_RING_BYTES, KVLayout, LayerwiseLoad, byte_view
-    from engine_worker.kv_offload.window import SaveRing
+    from taco_llm.engine_worker.core.kv_offload.client import BlockPayload, KVBlockClient
+    from taco_llm.engine_worker.core.kv_offload.transfer import SAVE_RING_BYTES, KVLayout, LayerwiseLoad, byte_view
+    from taco_llm.engine_worker.core.kv_offload.window import SaveRing
 
     # One intra-op thread: with two on these 2-core machines, an OpenMP barrier waiting on a core the
     # service (or anything else) holds turned a 2 ms gather into hundreds of ms, at random.
@@ -212,7 +212,7 @@ def _time_lookups(address: str, done: threading.Event, latencies: list[float]) -
     """Lookup round trips, every 10 ms until `done`, of an 8-block chain the service does not hold."""
     import grpc
 
-    from protos import kv_cache_pb2, kv_cache_pb2_grpc
+    from taco_llm.protos import kv_cache_pb2, kv_cache_pb2_grpc
 
     keys = [hashlib.sha256(f"never-stored-{i}".encode()).digest() for i in range(8)]
     with grpc.insecure_channel(address) as channel:
@@ -227,7 +227,7 @@ def _servers(python: str, engine: list[str], cache_address: str, log_dir: Path,
              names: list[str]) -> dict[str, Server]:
     if not names:
         return {}
-    from engine_worker.default_model import ensure_default_model
+    from taco_llm.engine_worker.frontend.default_model import ensure_default_model
 
     model = str(ensure_default_model())
     offload = ["--enable-prefix-cache-offload", "--cache-service", cache_address]
@@ -271,7 +271,7 @@ def main() -> int:
               "--seed", "0"]
     cache_port = free_port()
     cache_address = f"127.0.0.1:{cache_port}"
-    cache = launch([python, "-m", "cache_service", "--grpc-port", str(cache_port), "--memory", "4G"],
+    cache = launch([python, "-m", "taco_llm.cache_service", "--grpc-port", str(cache_port), "--memory", "4G"],
                    log_dir / "cache-service.log")
     results: dict[str, Any] = {"prefix_tokens": args.prefix_tokens, "dtype": args.dtype,
                                "kv_cache_memory_bytes": int(args.kv_cache_memory_bytes)}

@@ -78,7 +78,7 @@ async def _drive(url: str, concurrency: int, requests: int, max_tokens: int) -> 
 
 def _model_dir() -> str:
     sys.path.insert(0, str(ROOT))
-    from engine_worker.default_model import ensure_default_model
+    from taco_llm.engine_worker.frontend.default_model import ensure_default_model
 
     return str(ensure_default_model())
 

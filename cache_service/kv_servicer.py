@@ -23,9 +23,9 @@ from typing import NoReturn, TypeVar
 
 import grpc
 
-from protos import kv_cache_pb2, kv_cache_pb2_grpc
-from protos.kv_cache_limits import CHUNK_BYTES
-from protos.rich_status import Reason, abort
+from taco_llm.protos import kv_cache_pb2, kv_cache_pb2_grpc
+from taco_llm.protos.kv_cache_limits import CHUNK_BYTES
+from taco_llm.protos.rich_status import Reason, abort
 
 from .block_store import KEY_BYTES, Block, BlockStore, PutOutcome
 from .config import CacheServiceConfig

@@ -23,9 +23,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from protos import lookahead_pb2, lookahead_pb2_grpc
-from protos.kv_cache_limits import GRPC_MESSAGE_LIMIT
-from protos.rich_status import Reason, abort
+from taco_llm.protos import lookahead_pb2, lookahead_pb2_grpc
+from taco_llm.protos.kv_cache_limits import GRPC_MESSAGE_LIMIT
+from taco_llm.protos.rich_status import Reason, abort
 
 logger = logging.getLogger(__name__)
 

@@ -11,10 +11,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from protos import kv_cache_pb2, kv_cache_pb2_grpc, lookahead_pb2, lookahead_pb2_grpc
+from taco_llm.protos import kv_cache_pb2, kv_cache_pb2_grpc, lookahead_pb2, lookahead_pb2_grpc
 
 # One limit for every service of this server, the lookahead index's too.
-from protos.kv_cache_limits import GRPC_MESSAGE_LIMIT
+from taco_llm.protos.kv_cache_limits import GRPC_MESSAGE_LIMIT
 
 from .config import CacheServiceConfig
 from .kv_servicer import KVBlockStoreServicer

@@ -26,8 +26,14 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from protos.kv_cache_limits import MAX_WINDOW_BYTES, NONCE_BYTES, SHM_DIR, WINDOW_NAME_PATTERN, WINDOW_NAME_PREFIX
-from protos.rich_status import Reason
+from taco_llm.protos.kv_cache_limits import (
+    MAX_WINDOW_BYTES,
+    NONCE_BYTES,
+    SHM_DIR,
+    WINDOW_NAME_PATTERN,
+    WINDOW_NAME_PREFIX,
+)
+from taco_llm.protos.rich_status import Reason
 
 MAX_WINDOWS = 64            # the least recently used beyond this are dropped
 IDLE_SECONDS = 600.0        # a window unused this long is dropped (its client may be gone)

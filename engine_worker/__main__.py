@@ -10,14 +10,14 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .environment import check_environment
+from .frontend.environment import check_environment
 
 if TYPE_CHECKING:
-    from .args import WorkerArgs
+    from .frontend.args import WorkerArgs
 
 
 async def _run(args: WorkerArgs) -> int:
-    from .server import serve
+    from .frontend.server import serve
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -34,8 +34,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"taco_llm worker: {problem}", file=sys.stderr)
         return 1
     # vLLM is imported only now: a broken environment gets the message above, not a traceback.
-    from .args import parse
-    from .default_model import DefaultModelError
+    from .frontend.args import parse
+    from .frontend.default_model import DefaultModelError
 
     args = parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s worker: %(message)s")

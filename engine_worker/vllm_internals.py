@@ -98,7 +98,7 @@ if TYPE_CHECKING:
     # At run time it comes from __getattr__ below.
     from vllm.v1.spec_decode.ngram_proposer import NgramProposer
 
-    # [speculation] vLLM's worker class for this platform, which engine_worker.vllm_worker.TacoWorker
+    # [speculation] vLLM's worker class for this platform, which core/worker.py's TacoWorker
     # extends (the public `worker_cls` setting takes a class, but the class to extend is internal).
     # At run time it comes from __getattr__ below.
     from vllm.v1.worker.gpu_worker import Worker as PlatformWorker

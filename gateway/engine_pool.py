@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos import engine_pb2, engine_pb2_grpc
-from protos.engine_limits import ENGINE_SERVICE, GRPC_MESSAGE_LIMIT
+from taco_llm.protos import engine_pb2, engine_pb2_grpc
+from taco_llm.protos.engine_limits import ENGINE_SERVICE, GRPC_MESSAGE_LIMIT
 
 from .errors import APIError
 

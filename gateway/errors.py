@@ -9,7 +9,7 @@ import grpc
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from protos.rich_status import details_of
+from taco_llm.protos.rich_status import details_of
 
 _TYPES = {
     400: "invalid_request_error",

@@ -9,7 +9,7 @@ from typing import Any
 
 import grpc
 
-from protos import engine_pb2
+from taco_llm.protos import engine_pb2
 
 from .engine_pool import EngineClient
 from .errors import APIError, from_grpc

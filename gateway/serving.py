@@ -12,7 +12,7 @@ import grpc
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from protos import engine_pb2
+from taco_llm.protos import engine_pb2
 
 from .engine_pool import EngineClient, EnginePool
 from .errors import from_grpc

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from protos import engine_pb2
+from taco_llm.protos import engine_pb2
 
 from . import sse, to_engine
 from .errors import APIError, bad_request

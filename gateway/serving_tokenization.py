@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from protos import engine_pb2
+from taco_llm.protos import engine_pb2
 
 from . import to_engine
 from .protocol import DetokenizeRequest, TokenizeRequest

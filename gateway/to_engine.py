@@ -7,7 +7,7 @@ from typing import Any, cast
 
 from google.protobuf import json_format, struct_pb2
 
-from protos import engine_pb2
+from taco_llm.protos import engine_pb2
 
 from .errors import bad_request
 from .protocol import (

@@ -4,7 +4,7 @@ must agree on. A .proto file cannot declare constants, so they live here, beside
 
 from __future__ import annotations
 
-from protos import engine_pb2
+from taco_llm.protos import engine_pb2
 
 # The max send and receive message size of the worker's server and of every client channel. A request
 # carries at most a context of token ids or text (a few MiB at the longest contexts) and a response one

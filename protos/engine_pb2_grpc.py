@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import engine_pb2 as protos_dot_engine__pb2
+from taco_llm.protos import engine_pb2 as protos_dot_engine__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

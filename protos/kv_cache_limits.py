@@ -1,7 +1,7 @@
 """The numbers and names of the KVBlockStore contract (kv_cache.proto) that both sides must agree on.
 
 A .proto file cannot declare constants, so they live here, beside it: the worker's client
-(engine_worker/kv_offload) and the cache service (cache_service) both import this module and never
+(engine_worker/core/kv_offload) and the cache service (cache_service) both import this module and never
 each other. kv_cache.proto states the same values in words for other readers; change both together.
 Plain values only: no gRPC, no import of either side.
 """

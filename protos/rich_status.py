@@ -14,7 +14,7 @@ import grpc
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from protos import errors_pb2
+from taco_llm.protos import errors_pb2
 
 DOMAIN = "taco-llm"
 Reason = errors_pb2.ErrorReason

@@ -18,7 +18,7 @@ commands:
 
 
 def serve(argv: Sequence[str]) -> int:
-    from gateway.__main__ import parse as check_gateway_args
+    from taco_llm.gateway.__main__ import parse as check_gateway_args
 
     from .serve_args import ServeArgsError, parse
     from .supervisor import probe_host, probe_ssl_context
@@ -42,7 +42,7 @@ def serve(argv: Sequence[str]) -> int:
     context = probe_ssl_context(args.ssl_certfile, args.ssl_keyfile) if args.ssl_certfile else None
     cache_argv = None
     if args.cache_service_argv is not None:
-        from cache_service.config import parse as check_cache_service_args
+        from taco_llm.cache_service.config import parse as check_cache_service_args
 
         cache_argv = ["--grpc-host", "127.0.0.1", "--grpc-port", str(args.cache_service_port),
                       *args.cache_service_argv]
@@ -61,15 +61,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "serve":
         return serve(rest)
     if command == "worker":
-        from engine_worker.__main__ import main as worker_main
+        from taco_llm.engine_worker.__main__ import main as worker_main
 
         return worker_main(rest)
     if command == "gateway":
-        from gateway.__main__ import main as gateway_main
+        from taco_llm.gateway.__main__ import main as gateway_main
 
         return gateway_main(rest)
     if command == "cache-service":
-        from cache_service.__main__ import main as cache_service_main
+        from taco_llm.cache_service.__main__ import main as cache_service_main
 
         return cache_service_main(rest)
     print(f"taco_llm: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)

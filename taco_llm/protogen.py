@@ -2,10 +2,15 @@
 
 `python -m taco_llm.protogen` rewrites it in place; tests/test_protos.py regenerates into a temporary
 folder and fails if the committed code differs, so the two never drift.
+
+protoc names modules after the .proto files' paths (protos/engine.proto: `protos.engine_pb2`), but the
+folder is installed as taco_llm.protos (pyproject's package-dir), so the generated imports and module
+names are rewritten to that. The .proto files keep their paths: descriptors still say protos/....
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 import tempfile
@@ -19,6 +24,18 @@ PROTO_DIR = ROOT / "protos"
 
 def proto_files() -> list[Path]:
     return sorted(PROTO_DIR.glob("*.proto"))
+
+
+# `from protos import engine_pb2 as ...` in the *_pb2_grpc.py files, and the module name the messages'
+# `__module__` comes from in the *_pb2.py files: `_builder.BuildTopDescriptorsAndMessages(..., 'protos.x_pb2', ...)`.
+_GENERATED_IMPORT = re.compile(r"^from protos import ", re.MULTILINE)
+_GENERATED_MODULE = re.compile(r"'protos\.(\w+_pb2)'")
+INSTALLED_PACKAGE = "taco_llm.protos"
+
+
+def _installed_names(text: str) -> str:
+    text = _GENERATED_IMPORT.sub(f"from {INSTALLED_PACKAGE} import ", text)
+    return _GENERATED_MODULE.sub(rf"'{INSTALLED_PACKAGE}.\1'", text)
 
 
 def generate(out_root: Path) -> list[Path]:
@@ -38,7 +55,10 @@ def generate(out_root: Path) -> list[Path]:
         ]
         if protoc.main(args) != 0:
             raise RuntimeError(f"protoc failed on {proto}")
-    return sorted(p for p in (out_root / "protos").iterdir() if p.name.endswith((".py", ".pyi")))
+    generated = sorted(p for p in (out_root / "protos").iterdir() if p.name.endswith((".py", ".pyi")))
+    for path in generated:
+        path.write_text(_installed_names(path.read_text()))
+    return generated
 
 
 def main() -> int:

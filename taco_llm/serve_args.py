@@ -192,8 +192,8 @@ def _mapped(given: dict[str, Any], errors: list[str]) -> list[str]:
 _JSON_VALUED = frozenset({"--allowed-origins", "--allowed-methods", "--allowed-headers"})
 
 
-_LIST_WORKER_FLAGS = ("import json; from engine_worker.args import build_parser; "
-                      "from engine_worker.vllm_internals import option_strings; "
+_LIST_WORKER_FLAGS = ("import json; from taco_llm.engine_worker.frontend.args import build_parser; "
+                      "from taco_llm.engine_worker.vllm_internals import option_strings; "
                       "print(json.dumps(sorted(option_strings(build_parser()))))")
 
 

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 if TYPE_CHECKING:
-    from engine_worker.args import WorkerArgs
-    from gateway.app import GatewaySettings
+    from taco_llm.engine_worker.frontend.args import WorkerArgs
+    from taco_llm.gateway.app import GatewaySettings
 
 
 class _GatewayServer(uvicorn.Server):
@@ -43,8 +43,8 @@ async def _serve_gateway(server: uvicorn.Server) -> bool:
 
 
 async def _run(worker_args: WorkerArgs, settings: GatewaySettings) -> int:
-    from engine_worker.server import serve as serve_worker
-    from gateway.app import create_app
+    from taco_llm.engine_worker.frontend.server import serve as serve_worker
+    from taco_llm.gateway.app import create_app
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -75,15 +75,15 @@ async def _run(worker_args: WorkerArgs, settings: GatewaySettings) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parts = json.loads(argv[0])
-    from engine_worker.environment import check_environment
+    from taco_llm.engine_worker.frontend.environment import check_environment
 
     problem = check_environment()
     if problem:
         print(f"taco_llm serve: {problem}", file=sys.stderr)
         return 1
-    from engine_worker.args import parse as parse_worker
-    from engine_worker.default_model import DefaultModelError
-    from gateway.__main__ import parse as parse_gateway
+    from taco_llm.engine_worker.frontend.args import parse as parse_worker
+    from taco_llm.engine_worker.frontend.default_model import DefaultModelError
+    from taco_llm.gateway.__main__ import parse as parse_gateway
 
     worker_args = parse_worker(parts["worker"])
     settings = parse_gateway(parts["gateway"])

@@ -109,7 +109,7 @@ def serve(worker_argv: list[str], gateway_argv: list[str], base_url: str, ready_
           cache_service_argv: list[str] | None = None, single_process: bool = False) -> int:
     python = sys.executable
     # The cache service first and stopped last: the worker reconnects to it with backoff meanwhile.
-    cache_argv = [python, "-m", "cache_service", *(cache_service_argv or [])]
+    cache_argv = [python, "-m", "taco_llm.cache_service", *(cache_service_argv or [])]
     cache = [_start("cache service", cache_argv)] if cache_service_argv is not None else []
     cache_restarts = 0
     if single_process:
@@ -118,8 +118,8 @@ def serve(worker_argv: list[str], gateway_argv: list[str], base_url: str, ready_
         children = [one]
         what = f"the engine worker and the gateway in one process (pid {one.process.pid})"
     else:
-        worker = _start("engine worker", [python, "-m", "engine_worker", *worker_argv])
-        gateway = _start("gateway", [python, "-m", "gateway", *gateway_argv])
+        worker = _start("engine worker", [python, "-m", "taco_llm.engine_worker", *worker_argv])
+        gateway = _start("gateway", [python, "-m", "taco_llm.gateway", *gateway_argv])
         children = [worker, gateway]
         what = f"the engine worker (pid {worker.process.pid}) and the gateway (pid {gateway.process.pid})"
     supervisor = Supervisor([*cache, *children])

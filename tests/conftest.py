@@ -9,7 +9,7 @@ import grpc
 import openai
 import pytest
 
-from protos import engine_pb2_grpc
+from taco_llm.protos import engine_pb2_grpc
 
 from .support import Stack, start_stack
 
@@ -25,7 +25,7 @@ def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
-    from engine_worker.default_model import ensure_default_model
+    from taco_llm.engine_worker.frontend.default_model import ensure_default_model
 
     return ensure_default_model()
 

@@ -18,14 +18,14 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cache_service.block_store import BLOCK_OVERHEAD_BYTES, BlockStore, PutOutcome
-from engine_worker.kv_offload.client import Backoff, BlockPayload, KVBlockClient, window_gone
-from engine_worker.kv_offload.hashing import chain_keys, engine_salt, request_salt
-from engine_worker.kv_offload.transfer import KVLayout, LayerwiseLoad, byte_view
-from engine_worker.kv_offload.window import SaveRing, ShmWindow
-from protos import kv_cache_pb2, kv_cache_pb2_grpc, rich_status
-from protos.kv_cache_limits import CHUNK_BYTES, GRPC_MESSAGE_LIMIT, SHM_DIR, WINDOW_NAME_PREFIX, window_name
-from protos.rich_status import ErrorDetails, Reason
+from taco_llm.cache_service.block_store import BLOCK_OVERHEAD_BYTES, BlockStore, PutOutcome
+from taco_llm.engine_worker.core.kv_offload.client import Backoff, BlockPayload, KVBlockClient, window_gone
+from taco_llm.engine_worker.core.kv_offload.hashing import chain_keys, engine_salt, request_salt
+from taco_llm.engine_worker.core.kv_offload.transfer import KVLayout, LayerwiseLoad, byte_view
+from taco_llm.engine_worker.core.kv_offload.window import SaveRing, ShmWindow
+from taco_llm.protos import kv_cache_pb2, kv_cache_pb2_grpc, rich_status
+from taco_llm.protos.kv_cache_limits import CHUNK_BYTES, GRPC_MESSAGE_LIMIT, SHM_DIR, WINDOW_NAME_PREFIX, window_name
+from taco_llm.protos.rich_status import ErrorDetails, Reason
 
 from .support import ROOT, Process, free_port, start, wait_until
 
@@ -67,7 +67,7 @@ def test_chain_keys_depend_on_every_salt_part_and_on_prefix() -> None:
 
 
 def test_chain_keys_are_stable_across_processes_and_hash_seeds() -> None:
-    code = ("from engine_worker.kv_offload.hashing import chain_keys, engine_salt, request_salt;"
+    code = ("from taco_llm.engine_worker.core.kv_offload.hashing import chain_keys, engine_salt, request_salt;"
             "print(chain_keys(request_salt(engine_salt({'m': 1}), 'l', 'c'), list(range(40)), 16)[-1].hex())")
     outputs = {
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,

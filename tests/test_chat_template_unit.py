@@ -10,7 +10,7 @@ TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}"
 
 
 def test_a_template_file_or_inline(tmp_path: Path) -> None:
-    from engine_worker.args import parse
+    from taco_llm.engine_worker.frontend.args import parse
 
     path = tmp_path / "t.jinja"
     path.write_text(TEMPLATE)
@@ -24,7 +24,7 @@ def test_a_template_file_or_inline(tmp_path: Path) -> None:
 
 
 def test_a_missing_template_file_names_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from engine_worker.args import parse
+    from taco_llm.engine_worker.frontend.args import parse
 
     missing = tmp_path / "missing.jinja"
     with pytest.raises(SystemExit) as caught:

@@ -14,8 +14,8 @@ def _services() -> dict[str, dict[str, object]]:
 
 
 def test_compose_commands_parse() -> None:
-    from engine_worker.args import parse as parse_worker
-    from gateway.__main__ import parse as parse_gateway
+    from taco_llm.engine_worker.frontend.args import parse as parse_worker
+    from taco_llm.gateway.__main__ import parse as parse_gateway
 
     services = _services()
     worker = services["worker"]["command"]
@@ -28,8 +28,8 @@ def test_compose_commands_parse() -> None:
 
 
 def test_compose_cache_service_parses_and_workers_reach_it() -> None:
-    from cache_service.config import parse as parse_cache_service
-    from engine_worker.args import parse as parse_worker
+    from taco_llm.cache_service.config import parse as parse_cache_service
+    from taco_llm.engine_worker.frontend.args import parse as parse_worker
 
     services = _services()
     command = services["cache-service"]["command"]

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from engine_worker import default_model
-from engine_worker.default_model import MANIFEST, ensure_default_model, gguf_path, verify
+from taco_llm.engine_worker import default_model
+from taco_llm.engine_worker.frontend.default_model import MANIFEST, ensure_default_model, gguf_path, verify
 
 
 @pytest.fixture

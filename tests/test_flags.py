@@ -42,8 +42,8 @@ def test_docs_table_has_a_row_for_every_flag() -> None:
 
 
 def test_passed_flags_exist_in_vllm() -> None:
-    from engine_worker.args import build_parser
-    from engine_worker.vllm_internals import option_strings
+    from taco_llm.engine_worker.frontend.args import build_parser
+    from taco_llm.engine_worker.vllm_internals import option_strings
 
     known = option_strings(build_parser())
     missing = [f.name for f in FLAGS if f.kind == "pass" and f.name not in known]
@@ -51,8 +51,8 @@ def test_passed_flags_exist_in_vllm() -> None:
 
 
 def test_acceleration_flags_reach_flags_the_worker_has() -> None:
-    from engine_worker.args import build_parser
-    from engine_worker.vllm_internals import option_strings
+    from taco_llm.engine_worker.frontend.args import build_parser
+    from taco_llm.engine_worker.vllm_internals import option_strings
 
     known = option_strings(build_parser())
     missing = [f.name for f in FLAGS if f.kind == "taco" and f.name not in known]
@@ -60,7 +60,7 @@ def test_acceleration_flags_reach_flags_the_worker_has() -> None:
 
 
 def test_mapped_flags_become_vllm_flags_vllm_accepts() -> None:
-    from engine_worker.args import parse as parse_worker
+    from taco_llm.engine_worker.frontend.args import parse as parse_worker
 
     args = parse(["/some/model", "--speculative-model", "[ngram]", "--num-speculative-tokens", "5",
                   "--ngram-prompt-lookup-max", "4", "--ngram-prompt-lookup-min", "2", "--worker-use-ray",

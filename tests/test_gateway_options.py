@@ -26,7 +26,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos import engine_pb2, engine_pb2_grpc, rich_status
+from taco_llm.protos import engine_pb2, engine_pb2_grpc, rich_status
 
 from .certificates import Certificates, make_certificates
 from .conftest import ENGINE_FLAGS

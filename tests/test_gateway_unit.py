@@ -12,22 +12,22 @@ import pytest
 from fastapi.responses import StreamingResponse
 from starlette.requests import Request
 
-from gateway import to_engine
-from gateway.app import GatewaySettings, create_app
-from gateway.engine_pool import EngineClient, EnginePool
-from gateway.errors import APIError, from_grpc
-from gateway.from_engine import ChoiceState, TokenText, finish_reason, prompt_logprobs_json
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.serving import EngineCalls
-from gateway.serving_chat import ServingChat
-from gateway.serving_completion import ServingCompletion
-from gateway.serving_models import ServingModels
-from protos import engine_pb2, rich_status
-from protos.rich_status import Reason
+from taco_llm.gateway import to_engine
+from taco_llm.gateway.app import GatewaySettings, create_app
+from taco_llm.gateway.engine_pool import EngineClient, EnginePool
+from taco_llm.gateway.errors import APIError, from_grpc
+from taco_llm.gateway.from_engine import ChoiceState, TokenText, finish_reason, prompt_logprobs_json
+from taco_llm.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from taco_llm.gateway.serving import EngineCalls
+from taco_llm.gateway.serving_chat import ServingChat
+from taco_llm.gateway.serving_completion import ServingCompletion
+from taco_llm.gateway.serving_models import ServingModels
+from taco_llm.protos import engine_pb2, rich_status
+from taco_llm.protos.rich_status import Reason
 
 
 def test_gateway_imports_neither_torch_nor_vllm() -> None:
-    code = ("import sys, gateway.app, gateway.__main__; "
+    code = ("import sys, taco_llm.gateway.app, taco_llm.gateway.__main__; "
             "bad = [m for m in ('torch', 'vllm', 'transformers') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -12,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from protos import engine_pb2, engine_pb2_grpc, rich_status
+from taco_llm.protos import engine_pb2, engine_pb2_grpc, rich_status
 
 from .support import Stack
 

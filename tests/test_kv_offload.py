@@ -27,7 +27,7 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos import engine_pb2, engine_pb2_grpc, kv_cache_pb2, kv_cache_pb2_grpc
+from taco_llm.protos import engine_pb2, engine_pb2_grpc, kv_cache_pb2, kv_cache_pb2_grpc
 
 from .support import Process, Stack, free_port, start, start_stack, wait_until
 

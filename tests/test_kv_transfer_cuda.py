@@ -1,4 +1,4 @@
-"""The prefix-KV transfer on a CUDA device (engine_worker/kv_offload/device_copy.py): page-locked
+"""The prefix-KV transfer on a CUDA device (engine_worker/core/kv_offload/device_copy.py): page-locked
 windows, copies on the connector's side stream that overlap the forward pass, per-layer events that the
 compute stream (not the host) waits on, saves that never make the host wait, and cancelled loads that
 write nothing after their deadline. The real KVLayout, LayerwiseLoad and Sender code moves the bytes;
@@ -23,11 +23,15 @@ from typing import cast
 import pytest
 import torch
 
-from engine_worker.kv_offload.client import Backoff, BlockPayload, KVBlockClient
-from engine_worker.kv_offload.device_copy import CudaKVCopier, register_host_memory, unregister_host_memory
-from engine_worker.kv_offload.transfer import KVLayout, LayerwiseLoad, SaveBatch, Sender, byte_view
-from engine_worker.kv_offload.window import ShmWindow
-from protos import kv_cache_pb2
+from taco_llm.engine_worker.core.kv_offload.client import Backoff, BlockPayload, KVBlockClient
+from taco_llm.engine_worker.core.kv_offload.device_copy import (
+    CudaKVCopier,
+    register_host_memory,
+    unregister_host_memory,
+)
+from taco_llm.engine_worker.core.kv_offload.transfer import KVLayout, LayerwiseLoad, SaveBatch, Sender, byte_view
+from taco_llm.engine_worker.core.kv_offload.window import ShmWindow
+from taco_llm.protos import kv_cache_pb2
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),

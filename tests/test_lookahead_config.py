@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_worker.lookahead.config import (
+from taco_llm.engine_worker.lookahead_settings import (
     CONFIG_FILE,
     EXTENSION_KEYS,
     NO_EFFECT_KEYS,
@@ -93,7 +93,7 @@ def test_warmup_records_are_checked_against_the_vocabulary(tmp_path: Path) -> No
 
 
 def test_the_draft_token_cost_defaults_by_device_and_the_config_overrides_it(tmp_path: Path) -> None:
-    from engine_worker.lookahead.acceptance import DRAFT_TOKEN_COST_BY_DEVICE, draft_token_cost
+    from taco_llm.engine_worker.core.lookahead.acceptance import DRAFT_TOKEN_COST_BY_DEVICE, draft_token_cost
 
     assert draft_token_cost("cpu") == DRAFT_TOKEN_COST_BY_DEVICE["cpu"]
     assert draft_token_cost("cuda") == DRAFT_TOKEN_COST_BY_DEVICE["cuda"] < draft_token_cost("cpu")

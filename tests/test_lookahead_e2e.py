@@ -22,7 +22,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from protos import lookahead_pb2, lookahead_pb2_grpc
+from taco_llm.protos import lookahead_pb2, lookahead_pb2_grpc
 
 from .conftest import ENGINE_FLAGS
 from .distribution import permutation_p_value
@@ -31,7 +31,9 @@ from .support import ROOT, Process, RedisServer, Stack, free_port, http_status, 
 pytestmark = pytest.mark.e2e
 
 MODEL = "SmolLM2-135M-Instruct"
-CODE = (ROOT / "engine_worker" / "lookahead" / "config.py").read_text()[:1200]
+# Code to copy: a fixed excerpt of the project's own source (a file's head, kept here so that edits to the
+# source do not change this test's prompts).
+CODE = (Path(__file__).parent / "data" / "lookahead_copy_code.txt").read_text()
 COPY_PROMPTS = [
     f"<|im_start|>user\nRepeat this code exactly:\n{CODE}<|im_end|>\n<|im_start|>assistant\n",
     "Count with me: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3,",
@@ -84,7 +86,7 @@ class Deployment:
         assert self.redis is not None
         log = (self.log_dir / f"cache-service-{self.config_dir.name}.log").open("ab")
         self.cache = subprocess.Popen(
-            [sys.executable, "-m", "cache_service", "--grpc-port", str(self.cache_port), "--memory", "256M",
+            [sys.executable, "-m", "taco_llm.cache_service", "--grpc-port", str(self.cache_port), "--memory", "256M",
              "--redis-url", self.redis.url], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         channel = grpc.insecure_channel(f"127.0.0.1:{self.cache_port}")
         try:
@@ -290,7 +292,7 @@ async def _samples(base_url: str, seeds: range, temperature: float) -> list[tupl
 def test_sampled_output_keeps_its_distribution(stack: Stack, shared: Deployment) -> None:
     """Drafts change how many tokens a step yields, never which: vLLM's rejection sampler accepts a
     drafted token with the model's own probability of it and otherwise samples from the rest. (On CPU this
-    holds only with engine_worker/sampling_fix.py, which this test would catch missing.)"""
+    holds only with engine_worker/core/sampling_fix.py, which this test would catch missing.)"""
     before = shared.metrics()
     drafted_arm = asyncio.run(_samples(shared.base_url, range(SAMPLES, 2 * SAMPLES), 1.0))
     after = shared.metrics()

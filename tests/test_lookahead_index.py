@@ -6,10 +6,10 @@ import random
 import tracemalloc
 from array import array
 
-from engine_worker.lookahead.acceptance import DRAFT_TOKEN_COST_BY_DEVICE, PRIOR_WEIGHT, AcceptanceRate
-from engine_worker.lookahead.config import LookaheadCacheConfig
-from engine_worker.lookahead.index import Drafter, TokenIndex
-from engine_worker.lookahead.proposer import RequestState
+from taco_llm.engine_worker.core.lookahead.acceptance import DRAFT_TOKEN_COST_BY_DEVICE, PRIOR_WEIGHT, AcceptanceRate
+from taco_llm.engine_worker.core.lookahead.index import Drafter, TokenIndex
+from taco_llm.engine_worker.core.lookahead.proposer import RequestState
+from taco_llm.engine_worker.lookahead_settings import LookaheadCacheConfig
 
 MIN_WORTHWHILE_CHANCE = DRAFT_TOKEN_COST_BY_DEVICE["cpu"]  # the bar at batch 1 on CPU
 GiB = 1 << 30

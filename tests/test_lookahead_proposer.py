@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine_worker.lookahead.acceptance import AcceptanceRate
-from engine_worker.lookahead.proposer import LookaheadProposer
-from engine_worker.lookahead.settings import LookaheadSettings
+from taco_llm.engine_worker.core.lookahead.acceptance import AcceptanceRate
+from taco_llm.engine_worker.core.lookahead.proposer import LookaheadProposer
+from taco_llm.engine_worker.handoff import LookaheadSettings
 
 
 class Batch:
@@ -210,7 +210,7 @@ def test_the_debug_log_names_each_draft_and_verdict(tmp_path: Path, monkeypatch:
     proposer = make_proposer(tmp_path, monkeypatch, config={"is_debug": True})
     try:
         prompt = PROMPT
-        with caplog.at_level(logging.DEBUG, logger="engine_worker.lookahead"):
+        with caplog.at_level(logging.DEBUG, logger="taco_llm.engine_worker.core.lookahead"):
             drafts = step(proposer, {"a": prompt}, {"a": len(prompt)}, {"a": [prompt[-1]]})
             step(proposer, {"a": [*prompt, *drafts["a"][:1]]}, {"a": len(prompt)}, {"a": drafts["a"][:2]})
         assert drafts["a"], "the repeated prompt gave nothing to draft"

@@ -12,15 +12,15 @@ from pathlib import Path
 import grpc
 import pytest
 
-from engine_worker.lookahead.sync import IndexSync
-from protos import lookahead_pb2, lookahead_pb2_grpc
+from taco_llm.engine_worker.core.lookahead.sync import IndexSync
+from taco_llm.protos import lookahead_pb2, lookahead_pb2_grpc
 
 from .support import ROOT, RedisServer, free_port
 
 
 def start_cache_service(port: int, log: Path, *extra: str) -> subprocess.Popen[bytes]:
-    process = subprocess.Popen([sys.executable, "-m", "cache_service", "--grpc-port", str(port), "--memory", "64M",
-                                *extra], cwd=ROOT, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+    process = subprocess.Popen([sys.executable, "-m", "taco_llm.cache_service", "--grpc-port", str(port),
+                                "--memory", "64M", *extra], cwd=ROOT, stdout=log.open("ab"), stderr=subprocess.STDOUT)
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         grpc.channel_ready_future(channel).result(timeout=60)
     return process

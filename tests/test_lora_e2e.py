@@ -6,7 +6,7 @@ import grpc
 import openai
 import pytest
 
-from protos import engine_pb2, engine_pb2_grpc
+from taco_llm.protos import engine_pb2, engine_pb2_grpc
 
 from .conftest import BROKEN_LORA_NAME, LORA_NAME
 from .support import Stack

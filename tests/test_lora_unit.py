@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_worker.lora import LoraProblem, LoraRegistry, check_adapter
+from taco_llm.engine_worker.frontend.lora import LoraProblem, LoraRegistry, check_adapter
 
 from .support import ROOT, free_port
 
@@ -36,7 +36,7 @@ def test_check_adapter(tmp_path: Path) -> None:
 
 
 def test_registry_names_and_ids(tmp_path: Path) -> None:
-    from engine_worker.vllm_internals import LoRAModulePath
+    from taco_llm.engine_worker.vllm_internals import LoRAModulePath
 
     registry = LoraRegistry([LoRAModulePath("a", str(tmp_path / "a")),
                              LoRAModulePath("b", str(tmp_path / "b"), base_model_name="other")], "base")
@@ -47,7 +47,7 @@ def test_registry_names_and_ids(tmp_path: Path) -> None:
 
 
 def _worker_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    from engine_worker.args import parse
+    from taco_llm.engine_worker.frontend.args import parse
 
     with pytest.raises(SystemExit) as caught:
         parse(argv)
@@ -69,7 +69,7 @@ def test_lora_flags_name_themselves(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 
 def test_lora_modules_in_vllm_json_form(tmp_path: Path) -> None:
-    from engine_worker.args import parse
+    from taco_llm.engine_worker.frontend.args import parse
 
     ok = _adapter(tmp_path / "ok")
     args = parse(["--enable-lora", "--lora-modules", json.dumps({"name": "j", "path": str(ok), "base_model_name": "b"}),

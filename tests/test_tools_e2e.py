@@ -16,7 +16,7 @@ import openai
 import pytest
 from google.protobuf import json_format, struct_pb2
 
-from protos import engine_pb2, engine_pb2_grpc
+from taco_llm.protos import engine_pb2, engine_pb2_grpc
 
 from .support import Stack
 

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from google.protobuf import json_format, struct_pb2
 
-from engine_worker.sampling import InvalidField
-from engine_worker.tools import ToolCalling, ToolRequest, tool_parser_class
-from engine_worker.vllm_internals import tool_parser_names
-from protos import engine_pb2
+from taco_llm.engine_worker.frontend.sampling import InvalidField
+from taco_llm.engine_worker.frontend.tools import ToolCalling, ToolRequest, tool_parser_class
+from taco_llm.engine_worker.vllm_internals import tool_parser_names
+from taco_llm.protos import engine_pb2
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -26,7 +26,7 @@ HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris
 
 @pytest.fixture(scope="module")
 def tokenizer(model_dir: Path) -> Any:
-    from engine_worker.vllm_internals import get_tokenizer
+    from taco_llm.engine_worker.vllm_internals import get_tokenizer
 
     return get_tokenizer(str(model_dir))
 
@@ -170,7 +170,7 @@ def test_mistral_parser_on_mistral_style_text(model_dir: Path) -> None:
 
 
 def test_mistral_parser_refuses_a_tokenizer_without_its_token(tokenizer: Any) -> None:
-    from engine_worker.tools import ToolParserProblem
+    from taco_llm.engine_worker.frontend.tools import ToolParserProblem
 
     with pytest.raises(ToolParserProblem, match="--tool-call-parser mistral"):
         tool_parser_class("mistral", True, tokenizer)
@@ -208,7 +208,7 @@ def test_without_a_parser_choices_are_refused_as_vllm_does(tokenizer: Any) -> No
 # The flags, checked before the engine starts: each error names its flag and is no traceback.
 
 def _worker_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    from engine_worker.args import parse
+    from taco_llm.engine_worker.frontend.args import parse
 
     with pytest.raises(SystemExit) as caught:
         parse(argv)

@@ -13,7 +13,7 @@ import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from protos import engine_pb2, engine_pb2_grpc
+from taco_llm.protos import engine_pb2, engine_pb2_grpc
 
 Metadata = tuple[tuple[str, str], ...]
 

@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from ..vllm_internals import batch_prompt_length, batch_request_ids, runner_max_tokens, runner_request_ids
+from ...handoff import WORKER_CLASS, LookaheadSettings
+from ...lookahead_settings import load_config, load_warmup
+from ...vllm_internals import batch_prompt_length, batch_request_ids, runner_max_tokens, runner_request_ids
 from . import metrics
 from .acceptance import PRIOR_WEIGHT, STEP_DECAY, AcceptanceRate, GlobalAcceptance, draft_token_cost
-from .config import load_config, load_warmup
 from .index import Drafter, LiveSequence, TokenIndex
-from .settings import LookaheadSettings
 from .sync import IndexSync
 
 logger = logging.getLogger(__name__)
@@ -70,8 +70,9 @@ class LookaheadStats:
 
 class LookaheadProposer:
     def __init__(self, vllm_config: Any):
-        # vLLM's engine process configures logging for the "vllm" loggers only.
-        if not logging.getLogger().handlers:
+        # vLLM's engine process configures logging for the "vllm" loggers only. Our loggers are all under
+        # "taco_llm", where the KV connector may have put its handler already (then it prints ours too).
+        if not logging.getLogger().handlers and not logging.getLogger("taco_llm").handlers:
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s lookahead: %(message)s")
         settings = LookaheadSettings.from_environment()
         self.settings = settings
@@ -132,7 +133,7 @@ class LookaheadProposer:
     # --- vLLM's proposer interface ------------------------------------------------------------------
 
     def bind_runner(self, runner: Any) -> None:
-        """Called by engine_worker.vllm_worker once the model runner exists: the runner's input
+        """Called by core/worker.py's TacoWorker once the model runner exists: the runner's input
         batch names the request in each row, which `propose` is not given."""
         self.runner = runner
 
@@ -142,8 +143,8 @@ class LookaheadProposer:
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
                 token_ids_cpu: np.ndarray, slot_mappings: Any = None) -> list[list[int]]:
         if self.runner is None:
-            raise RuntimeError("the lookahead proposer needs the worker class "
-                               "engine_worker.vllm_worker.TacoWorker (taco_llm worker sets it)")
+            raise RuntimeError(f"the lookahead proposer needs the worker class {WORKER_CLASS} "
+                               "(taco_llm worker sets it)")
         started = time.perf_counter()
         request_ids = batch_request_ids(self.runner)
         self._drain_inbox(INBOX_TOKENS_PER_STEP)

@@ -10,8 +10,8 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger, StatLoggerBase
 
+from ..vllm_internals import IterationStats, SchedulerStats
 from .default_model import DEFAULT_MODEL_NAME, ensure_default_model
-from .vllm_internals import IterationStats, SchedulerStats
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from protos import lookahead_pb2, lookahead_pb2_grpc
-from protos.kv_cache_limits import GRPC_MESSAGE_LIMIT
+from taco_llm.protos import lookahead_pb2, lookahead_pb2_grpc
+from taco_llm.protos.kv_cache_limits import GRPC_MESSAGE_LIMIT
 
 logger = logging.getLogger(__name__)
 

@@ -16,11 +16,10 @@ from pydantic import ValidationError
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import StructuredOutputsParams
 
-from protos import engine_pb2
-from protos.rich_status import Reason
+from taco_llm.protos import engine_pb2
+from taco_llm.protos.rich_status import Reason
 
-from .sampling import InvalidField, json_value
-from .vllm_internals import (
+from ..vllm_internals import (
     AUTO_TOOL_CHOICE_NEEDS_PARSER,
     ChatCompletionNamedToolChoiceParam,
     ChatCompletionRequest,
@@ -33,6 +32,7 @@ from .vllm_internals import (
     make_tool_call_id,
     maybe_filter_parallel_tool_calls,
 )
+from .sampling import InvalidField, json_value
 
 
 class ToolParserProblem(ValueError):

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..vllm_internals import PlatformWorker, finished_request_ids, runner_drafter
 from . import sampling_fix
 from .lookahead.proposer import LookaheadProposer
-from .vllm_internals import PlatformWorker, finished_request_ids, runner_drafter
 
 
 class TacoWorker(PlatformWorker):

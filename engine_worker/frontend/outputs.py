@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from vllm.logprobs import Logprob
 from vllm.outputs import CompletionOutput, RequestOutput
 
-from protos import engine_pb2
+from taco_llm.protos import engine_pb2
 
 from .tools import ChoiceToolParser, ToolRequest
 

@@ -7,13 +7,9 @@ import logging
 
 from vllm.config import KVTransferConfig
 
-from .client import TRANSPORTS
-from .connector import DEFAULT_LOOKUP_TIMEOUT
+from ..handoff import CONNECTOR_CLASS, CONNECTOR_MODULE, DEFAULT_LOOKUP_TIMEOUT, OFFLOAD_TRANSPORTS
 
 logger = logging.getLogger(__name__)
-
-CONNECTOR_CLASS = "TacoOffloadConnector"
-CONNECTOR_MODULE = "engine_worker.kv_offload.connector"
 
 
 def add_offload_args(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +29,7 @@ def add_offload_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--apc-offload-lookup-timeout", type=float, default=DEFAULT_LOOKUP_TIMEOUT,
                        help="seconds the scheduler waits for the cache service's answer on a prefix-cache "
                        "miss before recomputing (default %(default)s)")
-    group.add_argument("--apc-offload-transport", choices=TRANSPORTS, default="auto",
+    group.add_argument("--apc-offload-transport", choices=OFFLOAD_TRANSPORTS, default="auto",
                        help="how block bytes travel to and from the cache service: 'auto' (the default) uses "
                        "shared memory (/dev/shm) when the service can reach it (the same host, or containers "
                        "sharing an IPC namespace) and gRPC messages otherwise; 'grpc' always uses gRPC "

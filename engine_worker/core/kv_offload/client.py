@@ -23,10 +23,11 @@ from typing import Protocol
 
 import grpc
 
-from protos import kv_cache_pb2, kv_cache_pb2_grpc
-from protos.kv_cache_limits import CHUNK_BYTES, GRPC_MESSAGE_LIMIT, MAX_WINDOW_BYTES, SHM_DIR
-from protos.rich_status import Reason, has_reason
+from taco_llm.protos import kv_cache_pb2, kv_cache_pb2_grpc
+from taco_llm.protos.kv_cache_limits import CHUNK_BYTES, GRPC_MESSAGE_LIMIT, MAX_WINDOW_BYTES, SHM_DIR
+from taco_llm.protos.rich_status import Reason, has_reason
 
+from ...handoff import OFFLOAD_TRANSPORTS
 from .window import ShmWindow
 
 logger = logging.getLogger("taco_llm.kv_offload")
@@ -35,7 +36,6 @@ BACKOFF_FIRST_SECONDS = 0.5
 BACKOFF_MAX_SECONDS = 10.0
 CONNECT_TIMEOUT_SECONDS = 5.0
 WINDOW_CALL_TIMEOUT_SECONDS = 5.0
-TRANSPORTS = ("auto", "grpc")
 # The load window grows to the next power of two a load needs, from the first size up to the cap;
 # a larger load goes as gRPC bytes. Windows are transport buffers: this memory is the worker's. The
 # cap stays within the largest window the service attaches.
@@ -103,8 +103,8 @@ class Backoff:
 
 class KVBlockClient:
     def __init__(self, address: str, lookup_timeout: float, transport: str = "auto"):
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport: one of {TRANSPORTS}, got {transport!r}")
+        if transport not in OFFLOAD_TRANSPORTS:
+            raise ValueError(f"transport: one of {OFFLOAD_TRANSPORTS}, got {transport!r}")
         self.address = address
         self.lookup_timeout = lookup_timeout
         self.backoff = Backoff(address)

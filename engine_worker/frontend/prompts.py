@@ -7,11 +7,11 @@ from typing import Any
 
 from vllm.inputs import tokens_input
 
-from protos import engine_pb2
-from protos.rich_status import Reason
+from taco_llm.protos import engine_pb2
+from taco_llm.protos.rich_status import Reason
 
+from ..vllm_internals import UNTRUSTED_CHAT_TEMPLATE, BaseRenderer, ChatParams, merge_kwargs, parse_model_prompt
 from .sampling import InvalidField, json_value
-from .vllm_internals import UNTRUSTED_CHAT_TEMPLATE, BaseRenderer, ChatParams, merge_kwargs, parse_model_prompt
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from ..vllm_internals import CacheHitSource, connector_metadata
+from ...handoff import DEFAULT_LOOKUP_TIMEOUT
+from ...vllm_internals import CacheHitSource, connector_metadata
 from .client import BlockPayload, KVBlockClient
 from .hashing import chain_keys, engine_salt, rank_key, request_salt
 from .transfer import KVLayout, LayerwiseLoad, SaveBatch, Sender, byte_view
@@ -38,7 +39,7 @@ from .transfer import KVLayout, LayerwiseLoad, SaveBatch, Sender, byte_view
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-    from ..vllm_internals import (
+    from ...vllm_internals import (
         AttentionMetadata,
         ForwardContext,
         KVCacheBlocks,
@@ -58,8 +59,6 @@ def _ensure_logging() -> None:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         parent.addHandler(handler)
         parent.setLevel(logging.INFO)
-
-DEFAULT_LOOKUP_TIMEOUT = 0.25  # seconds the scheduler waits for a Lookup before recomputing
 
 
 @dataclass
@@ -290,7 +289,7 @@ class TacoOffloadConnector(KVConnectorBase_V1):
 
 
 def _tensor_parallel_rank() -> int:
-    from ..vllm_internals import get_tensor_model_parallel_rank
+    from ...vllm_internals import get_tensor_model_parallel_rank
 
     try:
         return int(get_tensor_model_parallel_rank())

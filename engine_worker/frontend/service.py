@@ -15,10 +15,11 @@ from vllm.lora.request import LoRARequest
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from protos import engine_pb2, engine_pb2_grpc
-from protos.rich_status import Reason, abort
+from taco_llm.protos import engine_pb2, engine_pb2_grpc
+from taco_llm.protos.rich_status import Reason, abort
 from taco_llm.version import package_version
 
+from ..vllm_internals import is_context_overflow
 from . import prompts
 from .engine import LoadTracker
 from .frontend_args import FrontendOptions
@@ -26,7 +27,6 @@ from .lora import LoraRegistry
 from .outputs import ResponseBuilder
 from .sampling import InvalidField, Limits, structured, to_vllm
 from .tools import ToolCalling, tool_parser_class
-from .vllm_internals import is_context_overflow
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import logging
 
 import torch
 
-from .vllm_internals import EXPAND_KERNEL, expand_batch_to_tokens, register_kernels
+from ..vllm_internals import EXPAND_KERNEL, expand_batch_to_tokens, register_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,6 @@ def apply() -> bool:
         raise RuntimeError(f"could not correct {EXPAND_KERNEL}: speculative decoding of sampled requests "
                            "would not keep their distribution")
     logger.warning("vLLM's CPU %s drops float and int32 values, which distorts sampled output under "
-                   "speculative decoding; using taco-llm's correction (engine_worker/sampling_fix.py)",
+                   "speculative decoding; using taco-llm's correction (engine_worker/core/sampling_fix.py)",
                    EXPAND_KERNEL)
     return True

@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 import torch
 
-from protos import kv_cache_pb2
+from taco_llm.protos import kv_cache_pb2
 
 from .client import BlockPayload, ChunkStream, KVBlockClient, window_gone
 from .device_copy import CopyDone, KVCopier, LoadCopies, copier_for

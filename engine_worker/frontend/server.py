@@ -17,16 +17,16 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import multiprocess
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from protos import engine_pb2_grpc
-from protos.engine_limits import ENGINE_SERVICE, GRPC_MESSAGE_LIMIT
+from taco_llm.protos import engine_pb2_grpc
+from taco_llm.protos.engine_limits import ENGINE_SERVICE, GRPC_MESSAGE_LIMIT
 
+from ..handoff import PROMETHEUS_MULTIPROC_DIR
+from ..lookahead_settings import ConfigError, configure_lookahead
+from ..vllm_internals import get_prometheus_registry
 from .args import WorkerArgs
 from .auth import ApiKeyInterceptor
 from .engine import resolve_default_model, start_engine
-from .lookahead.args import configure_lookahead
-from .lookahead.config import ConfigError
 from .service import EngineService
-from .vllm_internals import get_prometheus_registry
 
 logger = logging.getLogger(__name__)
 
@@ -43,14 +43,14 @@ async def _log_stats(engine: AsyncLLM, interval: float) -> None:
 def _metrics_registry() -> prometheus_client.CollectorRegistry:
     """Where /metrics reads from: this process's metrics (vLLM's stat logger runs here) and those the
     engine's processes write to files (the lookahead proposer's). Called before the engine starts."""
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    if os.environ.get(PROMETHEUS_MULTIPROC_DIR):
         # Set by the user before vLLM imported prometheus_client: every process writes files.
         return get_prometheus_registry()
     # Our own folder rather than vLLM's setup_multiprocess_prometheus, whose clean-up at exit fails
     # on its TemporaryDirectory object and logs an error on every shutdown.
     folder = tempfile.mkdtemp(prefix="taco_llm_metrics_")
     atexit.register(shutil.rmtree, folder, True)
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder
+    os.environ[PROMETHEUS_MULTIPROC_DIR] = folder
     multiprocess.MultiProcessCollector(prometheus_client.REGISTRY)
     return prometheus_client.REGISTRY
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import grpc
 
-from protos import rich_status
-from protos.rich_status import Reason
+from taco_llm.protos import rich_status
+from taco_llm.protos.rich_status import Reason
 
 OPEN_SERVICE_PREFIXES = ("/grpc.health.v1.Health/",)
 DENIED = "missing or invalid API key: send metadata 'authorization: Bearer <key>' (the worker's --api-key)"

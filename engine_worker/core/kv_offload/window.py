@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from protos.kv_cache_limits import NONCE_BYTES, SHM_DIR, window_name
+from taco_llm.protos.kv_cache_limits import NONCE_BYTES, SHM_DIR, window_name
 
 
 class ShmWindow:

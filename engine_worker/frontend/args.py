@@ -10,12 +10,12 @@ from dataclasses import dataclass
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.platforms import current_platform
 
+from ..handoff import WORKER_CLASS as SPECULATIVE_WORKER_CLASS
+from ..lookahead_settings import LookaheadOptions, add_lookahead_args, lookahead_options
+from ..vllm_internals import FlexibleArgumentParser
 from . import frontend_args
 from .frontend_args import FrontendOptions
-from .kv_offload.args import add_offload_args, apply_offload_args
-from .lookahead.args import WORKER_CLASS as SPECULATIVE_WORKER_CLASS
-from .lookahead.args import LookaheadOptions, add_lookahead_args, lookahead_options
-from .vllm_internals import FlexibleArgumentParser
+from .offload_args import add_offload_args, apply_offload_args
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def parse(argv: Sequence[str]) -> WorkerArgs:
     frontend = frontend_args.from_cli_args(parser, args, _tokenizer_source(args, explicit_model))
     engine = AsyncEngineArgs.from_cli_args(args)
     if engine.speculative_config:
-        # Our worker class corrects vLLM's sampling under speculation (engine_worker/sampling_fix.py).
+        # Our worker class corrects vLLM's sampling under speculation (engine_worker/core/sampling_fix.py).
         if engine.worker_cls in (None, "auto"):
             engine.worker_cls = SPECULATIVE_WORKER_CLASS
         elif current_platform.is_cpu():

@@ -15,7 +15,7 @@ from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from .config import LookaheadCacheConfig
+from ...lookahead_settings import LookaheadCacheConfig
 
 SEPARATOR = -1
 # An exact match shorter than this says little about where the text came from: a match that reaches

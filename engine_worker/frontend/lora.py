@@ -7,9 +7,9 @@ from pathlib import Path
 
 from vllm.lora.request import LoRARequest
 
-from protos import engine_pb2
+from taco_llm.protos import engine_pb2
 
-from .vllm_internals import LoRAModulePath
+from ..vllm_internals import LoRAModulePath
 
 
 class LoraProblem(ValueError):

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from vllm.exceptions import VLLMValidationError
 
+from ..vllm_internals import LoRAModulePath, LoRAParserAction, load_chat_template, tool_parser_names
 from .lora import LoraProblem, check_adapter
 from .tools import ToolParserProblem, tool_parser_class
-from .vllm_internals import LoRAModulePath, LoRAParserAction, load_chat_template, tool_parser_names
 
 
 @dataclass

@@ -8,8 +8,8 @@ from typing import Any
 from google.protobuf import json_format, struct_pb2
 from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
-from protos import engine_pb2
-from protos.rich_status import Reason
+from taco_llm.protos import engine_pb2
+from taco_llm.protos.rich_status import Reason
 
 # Struct numbers are doubles; whole numbers up to this are turned back into the integers they were.
 _EXACT_INTEGER_LIMIT = 2**53

@@ -1,1 +1,0 @@
-"""Auto Prefix Cache CPU Offload: a vLLM KV connector that keeps prefix-KV blocks in the cache service."""
