@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from taco_llm.engine_worker import default_model
+from taco_llm.engine_worker.frontend import default_model
 from taco_llm.engine_worker.frontend.default_model import MANIFEST, ensure_default_model, gguf_path, verify
 
 
