@@ -89,7 +89,7 @@ def create_app(settings: GatewaySettings, pool: EnginePool | None = None) -> Fas
     app.state.settings = settings
     app.state.pool = pool
 
-    engines = EngineCalls(pool, metadata)
+    engines = EngineCalls(pool)
     token_text = TokenText(as_token_ids=settings.return_tokens_as_token_ids)
     app.include_router(api_router(Servings(
         chat=ServingChat(engines, response_role=settings.response_role, token_text=token_text),

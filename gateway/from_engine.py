@@ -58,11 +58,11 @@ class EngineStream:
     """
 
     def __init__(self, client: EngineClient, request: engine_pb2.GenerateRequest,
-                 param_names: Mapping[str, str], metadata: Iterable[tuple[str, str]] = ()):
+                 param_names: Mapping[str, str]):
         self.client = client
         self.model = request.model
         self.param_names = param_names
-        self.call = client.stub.Generate(request, metadata=tuple(metadata))
+        self.call = client.stub.Generate(request, metadata=client.metadata)
         self._pending: list[engine_pb2.GenerateResponse] = []
         self._done = False
         client.in_flight += 1

@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
-
-from .protocol import ChatCompletionRequest, CompletionRequest
-
-Body = TypeVar("Body", ChatCompletionRequest, CompletionRequest)
+from typing import Any
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,14 +24,13 @@ class OutputOptions:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RequestContext(Generic[Body]):
+class RequestContext:
     """One request once its engine streams are open: the names its response carries, and its options."""
 
     request_id: str
     # The name responses carry, which may differ from the one asked for (see serving.response_model_name).
     model: str
     created: int
-    body: Body
     # Choices per prompt.
     n: int
     options: OutputOptions

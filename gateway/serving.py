@@ -24,10 +24,9 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class EngineCalls:
-    """The workers, and the gRPC metadata every request's call to them carries (their API key)."""
+    """The workers; each call carries its worker's gRPC metadata (the workers' API key)."""
 
     pool: EnginePool
-    metadata: tuple[tuple[str, str], ...] = ()
 
     async def generate(self, request: engine_pb2.GenerateRequest, param_names: Mapping[str, str]) -> EngineStream:
         """Opens a Generate call on the least-busy worker of the model and waits for its first message,
@@ -36,7 +35,7 @@ class EngineCalls:
         if not request.model:
             assert client.info is not None
             request.model = client.info.served_model_names[0]
-        stream = EngineStream(client, request, param_names, self.metadata)
+        stream = EngineStream(client, request, param_names)
         try:
             await stream.first()
         except BaseException:
@@ -48,7 +47,7 @@ class EngineCalls:
                        param_names: Mapping[str, str]) -> engine_pb2.TokenizeResponse:
         client = self.pool.pick(request.model or None)
         try:
-            return await client.stub.Tokenize(request, metadata=self.metadata)
+            return await client.stub.Tokenize(request, metadata=client.metadata)
         except grpc.aio.AioRpcError as error:
             raise from_grpc(error, param_names) from None
 
@@ -58,7 +57,7 @@ class EngineCalls:
         prompt); otherwise the least-busy worker of the model."""
         client = client or self.pool.pick(request.model or None)
         try:
-            reply = await client.stub.Detokenize(request, metadata=self.metadata)
+            reply = await client.stub.Detokenize(request, metadata=client.metadata)
         except grpc.aio.AioRpcError as error:
             raise from_grpc(error, param_names) from None
         return reply.text  # type: ignore[no-any-return]

@@ -29,8 +29,6 @@ from .protocol import ChatCompletionRequest
 from .request_context import OutputOptions, RequestContext
 from .serving import EngineCalls, response_model_name, unless_disconnected, usage_options
 
-ChatContext = RequestContext[ChatCompletionRequest]
-
 
 class ServingChat:
     """Made once per app, with the workers and the server's output options (from flags)."""
@@ -48,9 +46,9 @@ class ServingChat:
         engine_request = to_engine.chat_request(body, request_id)
         stream = await self.engines.generate(engine_request, to_engine.CHAT_PARAMS)
         include_usage, continuous_usage = usage_options(body.stream_options)
-        context = ChatContext(
+        context = RequestContext(
             request_id=request_id, model=response_model_name(body.model, stream), created=int(time.time()),
-            body=body, n=engine_request.sampling.n or 1,
+            n=engine_request.sampling.n or 1,
             options=OutputOptions(include_usage=include_usage, continuous_usage=continuous_usage,
                                   logprobs=bool(body.logprobs), return_token_ids=bool(body.return_token_ids),
                                   prompt_logprobs=body.prompt_logprobs is not None),
@@ -59,7 +57,7 @@ class ServingChat:
             return StreamingResponse(self._chunks(context, stream), media_type="text/event-stream")
         return await unless_disconnected(request, self._whole(context, stream))
 
-    async def _whole(self, context: ChatContext, stream: EngineStream) -> dict[str, Any]:
+    async def _whole(self, context: RequestContext, stream: EngineStream) -> dict[str, Any]:
         options = context.options
         result = await collect(stream, context.n)
         choices = []
@@ -92,7 +90,7 @@ class ServingChat:
                    "tool_calls": [_tool_call(t) for t in c.parsed.tool_calls]}
         return message, finish_reason(c.parsed.finish_reason) or c.finish_reason
 
-    async def _chunks(self, context: ChatContext, stream: EngineStream) -> AsyncIterator[bytes]:
+    async def _chunks(self, context: RequestContext, stream: EngineStream) -> AsyncIterator[bytes]:
         def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
             return sse.chunk(context, "chat.completion.chunk", choices, usage)
 
@@ -128,7 +126,7 @@ class ServingChat:
             yield sse.error_event(error)
         yield sse.DONE
 
-    def _chunk_choice(self, context: ChatContext, delta: engine_pb2.ChoiceDelta) -> dict[str, Any] | None:
+    def _chunk_choice(self, context: RequestContext, delta: engine_pb2.ChoiceDelta) -> dict[str, Any] | None:
         """One choice of a chunk; None for a delta that shows the client nothing."""
         content = _chat_delta(delta)
         if not content and not delta.finish_reason and not delta.logprobs:

@@ -30,8 +30,6 @@ from .protocol import CompletionRequest
 from .request_context import OutputOptions, RequestContext
 from .serving import EngineCalls, response_model_name, unless_disconnected, usage_options
 
-CompletionContext = RequestContext[CompletionRequest]
-
 
 @dataclass(frozen=True)
 class OpenPrompt:
@@ -53,31 +51,23 @@ class ServingCompletion:
         if body.echo and body.logprobs is not None:
             raise bad_request("echo together with logprobs is not supported", "echo")
         request_id = f"cmpl-{body.request_id or uuid.uuid4().hex}"
-        streams, prompts = await self._generate(body, request_id)
+        batch = await self._open(body, request_id)
         include_usage, _ = usage_options(body.stream_options)
-        context = CompletionContext(
-            request_id=request_id, model=response_model_name(body.model, streams[0]), created=int(time.time()),
-            body=body, n=body.n or 1,
+        context = RequestContext(
+            request_id=request_id, model=response_model_name(body.model, batch[0].stream), created=int(time.time()),
+            n=body.n or 1,
             options=OutputOptions(include_usage=include_usage, logprobs=body.logprobs is not None,
                                   return_token_ids=bool(body.return_token_ids),
                                   prompt_logprobs=body.prompt_logprobs is not None),
         )
-        try:
-            batch = [OpenPrompt(s, await self._echo(s, p) if body.echo else "")
-                     for s, p in zip(streams, prompts, strict=True)]
-        except BaseException:
-            # A refused echo (an out-of-vocabulary token id, say) ends the request: its open streams
-            # must end too, or their engine requests run on and the worker looks busier than it is.
-            for stream in streams:
-                stream.close()
-            raise
         if body.stream:
             return StreamingResponse(self._chunks(context, batch), media_type="text/event-stream")
         return await unless_disconnected(request, self._whole(context, batch))
 
-    async def _generate(self, body: CompletionRequest, request_id: str
-                        ) -> tuple[list[EngineStream], list[str | list[int]]]:
-        """Opens every prompt's stream at once; if any is refused, the others are closed."""
+    async def _open(self, body: CompletionRequest, request_id: str) -> list[OpenPrompt]:
+        """Opens every prompt's stream at once, with its echo. If a stream or an echo is refused (an
+        out-of-vocabulary token id, say), every stream opened is closed: their engine requests would
+        run on, and the worker would look busier than it is."""
         prompts = to_engine.completion_prompts(body.prompt)
         engine_requests = [
             to_engine.completion_request(body, p, f"{request_id}-{i}" if len(prompts) > 1 else request_id)
@@ -88,12 +78,16 @@ class ServingCompletion:
             return_exceptions=True,
         )
         streams = [s for s in opened if isinstance(s, EngineStream)]
-        for s in opened:
-            if isinstance(s, BaseException):
-                for stream in streams:
-                    stream.close()
-                raise s
-        return streams, prompts
+        try:
+            for s in opened:
+                if isinstance(s, BaseException):
+                    raise s
+            return [OpenPrompt(s, await self._echo(s, p) if body.echo else "")
+                    for s, p in zip(streams, prompts, strict=True)]
+        except BaseException:
+            for stream in streams:
+                stream.close()
+            raise
 
     async def _echo(self, stream: EngineStream, prompt: str | list[int]) -> str:
         if isinstance(prompt, str):
@@ -101,13 +95,15 @@ class ServingCompletion:
         return await self.engines.detokenize(engine_pb2.DetokenizeRequest(model=stream.model, token_ids=prompt),
                                              to_engine.COMPLETION_PARAMS, client=stream.client)
 
-    async def _whole(self, context: CompletionContext, batch: list[OpenPrompt]) -> dict[str, Any]:
+    async def _whole(self, context: RequestContext, batch: list[OpenPrompt]) -> dict[str, Any]:
         options = context.options
         results = await asyncio.gather(*(collect(p.stream, context.n) for p in batch))
         choices: list[dict[str, Any]] = []
         usage: dict[str, Any] | None = None
         for prompt_index, (prompt, result) in enumerate(zip(batch, results, strict=True)):
             usage = add_usage(usage, usage_json(result.usage))
+            # vLLM's server puts a completion's prompt logprobs on each choice: built once per prompt.
+            prompt_logprobs = prompt_logprobs_json(result.prompt_logprobs) if options.prompt_logprobs else None
             for c in result.choices:
                 choice = self._choice(context, c, index=prompt_index * context.n + c.index,
                                       text=prompt.echo + c.text, offset=len(prompt.echo))
@@ -115,12 +111,11 @@ class ServingCompletion:
                     choice["token_ids"] = c.token_ids
                     choice["prompt_token_ids"] = result.prompt_token_ids
                 if options.prompt_logprobs:
-                    # vLLM's server puts a completion's prompt logprobs on each choice.
-                    choice["prompt_logprobs"] = prompt_logprobs_json(result.prompt_logprobs)
+                    choice["prompt_logprobs"] = prompt_logprobs
                 choices.append(choice)
         return {**context.head("text_completion"), "choices": choices, "usage": usage}
 
-    def _choice(self, context: CompletionContext, state: ChoiceState, *, index: int, text: str,
+    def _choice(self, context: RequestContext, state: ChoiceState, *, index: int, text: str,
                 offset: int) -> dict[str, Any]:
         """`offset`: where the choice's new text starts in its whole text (after the echo and the text
         streamed before it), for the logprobs' text_offset."""
@@ -128,7 +123,7 @@ class ServingCompletion:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": state.finish_reason,
                 "stop_reason": state.stop_reason}
 
-    async def _chunks(self, context: CompletionContext, batch: list[OpenPrompt]) -> AsyncIterator[bytes]:
+    async def _chunks(self, context: RequestContext, batch: list[OpenPrompt]) -> AsyncIterator[bytes]:
         # The prompts' streams run side by side; one queue merges them in the order they produce.
         queue: asyncio.Queue[tuple[int, engine_pb2.GenerateResponse | APIError | None]] = asyncio.Queue()
 
@@ -174,7 +169,7 @@ class ServingCompletion:
                             choice = self._choice(context, state, index=prompt_index * n + delta.index,
                                                   text=state.text, offset=offsets[key])
                             if context.options.return_token_ids:
-                                choice["token_ids"] = list(delta.token_ids)
+                                choice["token_ids"] = state.token_ids
                             choices.append(choice)
                             offsets[key] += len(state.text)
                         if choices:

@@ -20,7 +20,7 @@ def error_event(error: APIError) -> bytes:
     return event(error.body())
 
 
-def chunk(context: RequestContext[Any], object_name: str, choices: list[dict[str, Any]],
+def chunk(context: RequestContext, object_name: str, choices: list[dict[str, Any]],
           usage: dict[str, Any] | None = None) -> bytes:
     """One chunk; with include_usage every chunk has a `usage` key, null but on the last, as OpenAI's."""
     payload = {**context.head(object_name), "choices": choices}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from google.protobuf import json_format, struct_pb2
 
@@ -33,12 +33,20 @@ def _stop_list(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
-def _struct(value: dict[str, Any], param: str) -> struct_pb2.Struct:
-    """A JSON object as a Struct; a value JSON cannot carry (NaN from a JSON string, say) names `param`."""
+JsonMessage = TypeVar("JsonMessage", struct_pb2.Struct, struct_pb2.ListValue)
+
+
+def _json_message(value: Any, into: JsonMessage, param: str, label: str) -> JsonMessage:
+    """A JSON value as protobuf's Struct or ListValue; a value protobuf cannot carry (NaN from a JSON
+    string, say) is a 400 naming `param`, its message starting with `label`."""
     try:
-        return json_format.ParseDict(value, struct_pb2.Struct())
+        return json_format.ParseDict(value, into)
     except (json_format.ParseError, TypeError, ValueError) as error:
-        raise bad_request(f"{param} is not a JSON object: {error}", param) from None
+        raise bad_request(f"{label}: {error}", param) from None
+
+
+def _struct(value: dict[str, Any], param: str) -> struct_pb2.Struct:
+    return _json_message(value, struct_pb2.Struct(), param, f"{param} is not a JSON object")
 
 
 def _schema(value: str | dict[str, Any], param: str) -> struct_pb2.Struct:
@@ -177,10 +185,7 @@ def chat_input(
         chat.chat_template_kwargs.CopyFrom(_struct(chat_template_kwargs, "chat_template_kwargs"))
     if tools is not None:
         # An empty list is passed on: the worker refuses it by name, as vLLM does.
-        try:
-            chat.tools.CopyFrom(json_format.ParseDict(cast(Any, tools), struct_pb2.ListValue()))
-        except (json_format.ParseError, TypeError, ValueError) as error:
-            raise bad_request(f"tools: {error}", "tools") from None
+        chat.tools.CopyFrom(_json_message(tools, struct_pb2.ListValue(), "tools", "tools"))
     if tool_choice is not None:
         chat.tool_choice.CopyFrom(json_format.ParseDict(cast(Any, tool_choice), struct_pb2.Value()))
     if parallel_tool_calls is not None:
