@@ -24,7 +24,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from taco_llm.protos import lookahead_pb2, lookahead_pb2_grpc
-from taco_llm.protos.kv_cache_limits import GRPC_MESSAGE_LIMIT
+from taco_llm.protos.kv_cache_limits import LOOKAHEAD_BATCH_BYTES
 from taco_llm.protos.rich_status import Reason, abort
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,6 @@ MAX_RECORDS = 200_000  # per namespace; Redis trims the oldest beyond this (appr
 MAX_PUBLISH_TOKENS = 4_000_000
 MAX_NAMESPACE_LENGTH = 512
 READ_BATCH = 256
-SUBSCRIBE_RESPONSE_BYTES = GRPC_MESSAGE_LIMIT // 2
 LIVE_BLOCK_MS = 5_000
 LOG_ID = re.compile(r"\d+(-\d+)?")
 
@@ -168,11 +167,12 @@ def _within_message_limit(records: list[lookahead_pb2.Record]) -> list[list[look
     parts: list[list[lookahead_pb2.Record]] = [[]]
     size = 0
     for record in records:
-        if parts[-1] and size + record.ByteSize() > SUBSCRIBE_RESPONSE_BYTES:
+        record_bytes = record.ByteSize()  # not cached: each call encodes the record
+        if parts[-1] and size + record_bytes > LOOKAHEAD_BATCH_BYTES:
             parts.append([])
             size = 0
         parts[-1].append(record)
-        size += record.ByteSize()
+        size += record_bytes
     return parts
 
 

@@ -21,6 +21,12 @@ CHUNK_BYTES = 1024 * 1024
 # either side would refuse chunks the other side legitimately sends.
 GRPC_MESSAGE_LIMIT = 4 * CHUNK_BYTES
 
+# The cache service serves the lookahead index under the same limit. A Publish (the worker's batch of
+# finished sequences) and a Subscribe response (the service's batch of records) each carry records up
+# to this many bytes, half the limit: a batch past the limit would be refused, and the same batch would
+# be sent again for ever.
+LOOKAHEAD_BATCH_BYTES = GRPC_MESSAGE_LIMIT // 2
+
 # Where windows live. The service opens only plain names directly in this directory, so that a name
 # from a client can never reach a path outside it.
 SHM_DIR = "/dev/shm"

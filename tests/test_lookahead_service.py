@@ -3,6 +3,7 @@ against it (no engine)."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -142,13 +143,23 @@ def test_workers_see_each_others_sequences_but_not_their_own(service: str) -> No
         second.stop()
 
 
-def test_a_worker_keeps_what_it_could_not_publish_while_redis_was_down(service: str,
-                                                                       redis_server: RedisServer) -> None:
-    sync = IndexSync(service, "model-e:1", "worker-3")
-    reader = IndexSync(service, "model-e:1", "reader")
+@contextlib.contextmanager
+def writer_and_reader(service: str, namespace: str, origin: str) -> Iterator[tuple[IndexSync, IndexSync]]:
+    """A worker's sync, started and caught up, and a reader's, not yet started; both stopped after."""
+    sync = IndexSync(service, namespace, origin)
+    reader = IndexSync(service, namespace, "reader")
     sync.start()
     try:
         assert sync.caught_up.wait(20)
+        yield sync, reader
+    finally:
+        sync.stop()
+        reader.stop()
+
+
+def test_a_worker_keeps_what_it_could_not_publish_while_redis_was_down(service: str,
+                                                                       redis_server: RedisServer) -> None:
+    with writer_and_reader(service, "model-e:1", "worker-3") as (sync, reader):
         redis_server.stop()
         sync.publish([9], [10, 11])
         wait_for(lambda: not sync.connected)
@@ -158,17 +169,10 @@ def test_a_worker_keeps_what_it_could_not_publish_while_redis_was_down(service: 
         reader.start()
         wait_for(lambda: len(reader.inbox) == 1)
         assert reader.inbox[0].output == [10, 11]
-    finally:
-        sync.stop()
-        reader.stop()
 
 
 def test_stopping_a_sync_publishes_what_waits_and_ends_its_threads(service: str) -> None:
-    sync = IndexSync(service, "model-f:1", "worker-4")
-    reader = IndexSync(service, "model-f:1", "reader")
-    sync.start()
-    try:
-        assert sync.caught_up.wait(20)
+    with writer_and_reader(service, "model-f:1", "worker-4") as (sync, reader):
         for n in range(50):
             sync.publish([n], [n + 1, n + 2])
         sync.stop()  # at once: the last outputs of a worker that shuts down must still reach the index
@@ -176,19 +180,12 @@ def test_stopping_a_sync_publishes_what_waits_and_ends_its_threads(service: str)
         assert not any(thread.is_alive() for thread in sync._threads), "a sync thread outlived stop()"
         reader.start()
         wait_for(lambda: len(reader.inbox) == 50)
-    finally:
-        sync.stop()
-        reader.stop()
 
 
 def test_long_sequences_travel_in_messages_the_service_accepts(service: str) -> None:
     # 60 sequences of 30,000 tokens, 3 bytes each: some 5.4 MB, past the cache service's 4 MiB message
     # limit, which one Publish or one Subscribe response of them all would pass.
-    sync = IndexSync(service, "model-g:1", "worker-5")
-    reader = IndexSync(service, "model-g:1", "reader")
-    sync.start()
-    try:
-        assert sync.caught_up.wait(20)
+    with writer_and_reader(service, "model-g:1", "worker-5") as (sync, reader):
         for n in range(60):
             sync.publish([], [40_000 + n] * 30_000)
         wait_for(lambda: sync.published == 60, timeout=30)
@@ -196,6 +193,3 @@ def test_long_sequences_travel_in_messages_the_service_accepts(service: str) -> 
         wait_for(lambda: len(reader.inbox) == 60, timeout=30)
         assert [s.output[0] for s in reader.inbox] == [40_000 + n for n in range(60)]
         assert sync.dropped == 0
-    finally:
-        sync.stop()
-        reader.stop()

@@ -85,11 +85,11 @@ class LookaheadProposer:
         self.copy_length = min(self.config.copy_length, spec.num_speculative_tokens)
         self.max_model_len = vllm_config.model_config.max_model_len
         self.max_parallel = self.config.target_parallelism or DEFAULT_TARGET_PARALLELISM
-        self.device_type = str(vllm_config.device_config.device_type)
-        self.draft_token_cost = draft_token_cost(self.device_type, self.config.draft_token_cost)
+        device_type = str(vllm_config.device_config.device_type)
+        self.draft_token_cost = draft_token_cost(device_type, self.config.draft_token_cost)
         logger.info("lookahead cache: a drafted token costs %.3f of a step (%s)", self.draft_token_cost,
                     "draft_token_cost in the config" if self.config.draft_token_cost is not None
-                    else f"the {self.device_type} default")
+                    else f"the {device_type} default")
         config = self.config
         if settings.eos_token_ids and config.eos_token_id is None:
             config = config.model_copy(update={"eos_token_id": settings.eos_token_ids})

@@ -18,15 +18,12 @@ from dataclasses import dataclass
 import grpc
 
 from taco_llm.protos import lookahead_pb2, lookahead_pb2_grpc
-from taco_llm.protos.kv_cache_limits import GRPC_MESSAGE_LIMIT
+from taco_llm.protos.kv_cache_limits import GRPC_MESSAGE_LIMIT, LOOKAHEAD_BATCH_BYTES
 
 logger = logging.getLogger(__name__)
 
 OUTBOX_LIMIT = 10_000
 PUBLISH_BATCH = 64
-# A Publish stays well inside the cache service's message limit (it serves every service with one),
-# or the service would refuse it and the same batch would be retried for ever.
-PUBLISH_BATCH_BYTES = GRPC_MESSAGE_LIMIT // 2
 MAX_BACKOFF_SECONDS = 10.0
 
 
@@ -126,32 +123,36 @@ class IndexSync:
     def _publish_forever(self) -> None:
         backoff = 0.25
         batch: list[lookahead_pb2.Record] = []
-        held: lookahead_pb2.Record | None = None  # taken from the outbox, too large for the batch it met
+        size = 0  # the batch's bytes (ByteSize is not cached: each call encodes the record)
+        # Taken from the outbox, with its size, but too large for the batch it met.
+        held: tuple[lookahead_pb2.Record, int] | None = None
         while not self._stopping.is_set():
             if not batch:
                 if held is None:
                     try:
-                        held = self.outbox.get(timeout=0.5)
+                        record = self.outbox.get(timeout=0.5)
                     except queue.Empty:
                         continue
-                if held.ByteSize() > PUBLISH_BATCH_BYTES:  # no Publish could carry it
+                    held = record, record.ByteSize()
+                record, size = held
+                held = None
+                if size > LOOKAHEAD_BATCH_BYTES:  # no Publish could carry it
                     self.dropped += 1
                     logger.warning("lookahead index: a sequence of %d tokens is too large to publish; kept "
-                                   "only by this worker", len(held.prompt) + len(held.output))
-                    held = None
+                                   "only by this worker", len(record.prompt) + len(record.output))
                     continue
-                batch, held = [held], None
-            size = sum(record.ByteSize() for record in batch)
+                batch = [record]
             while held is None and len(batch) < PUBLISH_BATCH:
                 try:
                     record = self.outbox.get_nowait()
                 except queue.Empty:
                     break
-                if size + record.ByteSize() > PUBLISH_BATCH_BYTES:
-                    held = record
+                record_bytes = record.ByteSize()
+                if size + record_bytes > LOOKAHEAD_BATCH_BYTES:
+                    held = record, record_bytes
                 else:
                     batch.append(record)
-                    size += record.ByteSize()
+                    size += record_bytes
             self._unsent = len(batch) + (held is not None)
             try:
                 self._stub.Publish(lookahead_pb2.PublishRequest(namespace=self.namespace, records=batch),
