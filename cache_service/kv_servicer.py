@@ -25,7 +25,7 @@ import grpc
 
 from taco_llm.protos import kv_cache_pb2, kv_cache_pb2_grpc
 from taco_llm.protos.kv_cache_limits import CHUNK_BYTES
-from taco_llm.protos.rich_status import Reason, abort
+from taco_llm.protos.rich_status import Reason, abort, invalid_argument
 
 from .block_store import KEY_BYTES, Block, BlockStore, PutOutcome
 from .config import CacheServiceConfig
@@ -51,21 +51,17 @@ async def _settled(future: asyncio.Future[T]) -> T:
         raise
 
 
-async def _invalid(context: grpc.aio.ServicerContext, message: str, field: str) -> NoReturn:
-    await abort(context, grpc.StatusCode.INVALID_ARGUMENT, message, Reason.FIELD_INVALID, field)
-
-
 async def _window_error(context: grpc.aio.ServicerContext, error: WindowError, prefix: str = "") -> NoReturn:
     await abort(context, error.code, prefix + error.message, error.reason, error.field)
 
 
 async def _check_keys(keys: Sequence[bytes], context: grpc.aio.ServicerContext) -> None:
     if len(keys) > MAX_KEYS_PER_CALL:
-        await _invalid(context, f"keys: at most {MAX_KEYS_PER_CALL} per call, got {len(keys)}", "keys")
+        await invalid_argument(context, f"keys: at most {MAX_KEYS_PER_CALL} per call, got {len(keys)}", "keys")
     for index, key in enumerate(keys):
         if len(key) != KEY_BYTES:
-            await _invalid(context, f"keys[{index}]: a key is {KEY_BYTES} bytes (SHA-256), got {len(key)}",
-                           f"keys[{index}]")
+            await invalid_argument(context, f"keys[{index}]: a key is {KEY_BYTES} bytes (SHA-256), got {len(key)}",
+                                   f"keys[{index}]")
 
 
 class KVBlockStoreServicer(kv_cache_pb2_grpc.KVBlockStoreServicer):
@@ -81,6 +77,10 @@ class KVBlockStoreServicer(kv_cache_pb2_grpc.KVBlockStoreServicer):
             await _window_error(context, error)
         logger.info("attached shared-memory window %s (%d bytes) as %d", request.name, request.size, window_id)
         return kv_cache_pb2.AttachWindowResponse(window_id=window_id)
+
+    async def close(self) -> None:
+        """Drops every attached window (their file descriptors), once the server takes no more calls."""
+        self.windows.close()
 
     async def DetachWindow(self, request: kv_cache_pb2.DetachWindowRequest,
                            context: grpc.aio.ServicerContext) -> kv_cache_pb2.DetachWindowResponse:
@@ -99,8 +99,8 @@ class KVBlockStoreServicer(kv_cache_pb2_grpc.KVBlockStoreServicer):
                            context: grpc.aio.ServicerContext) -> tuple[bytes, int]:
         """A put block's bytes, copied out of the client's window, and their checksum."""
         if block.window.length != block.header.size:
-            await _invalid(context, f"block {index}: windowed.window.length {block.window.length} is not "
-                                    f"windowed.header.size {block.header.size}", "windowed.window.length")
+            await invalid_argument(context, f"block {index}: windowed.window.length {block.window.length} is not "
+                                   f"windowed.header.size {block.header.size}", "windowed.window.length")
         window = await self._window(block.window, context, "windowed", f"block {index}: ")
         loop = asyncio.get_running_loop()
         try:
@@ -121,17 +121,19 @@ class KVBlockStoreServicer(kv_cache_pb2_grpc.KVBlockStoreServicer):
         """Refuses a malformed header; `path`: where it lies in the chunk (start.header, windowed.header)."""
         where = f"block {index}"
         if len(header.key) != KEY_BYTES:
-            await _invalid(context, f"{where}: {path}.key is {KEY_BYTES} bytes (SHA-256), got {len(header.key)}",
-                           f"{path}.key")
+            await invalid_argument(
+                context, f"{where}: {path}.key is {KEY_BYTES} bytes (SHA-256), got {len(header.key)}",
+                f"{path}.key")
         if header.parent_key and len(header.parent_key) != KEY_BYTES:
-            await _invalid(context, f"{where}: {path}.parent_key is empty or {KEY_BYTES} bytes, got "
-                                    f"{len(header.parent_key)}", f"{path}.parent_key")
+            await invalid_argument(context, f"{where}: {path}.parent_key is empty or {KEY_BYTES} bytes, got "
+                                   f"{len(header.parent_key)}", f"{path}.parent_key")
         if header.size == 0:
-            await _invalid(context, f"{where}: {path}.size must be positive", f"{path}.size")
+            await invalid_argument(context, f"{where}: {path}.size must be positive", f"{path}.size")
         if header.num_segments == 0 or header.size % header.num_segments:
-            await _invalid(context, f"{where}: {path}.size {header.size} is not a multiple of {path}.num_segments "
-                                    f"{header.num_segments} (the block's bytes are that many equal segments)",
-                           f"{path}.num_segments")
+            await invalid_argument(
+                context, f"{where}: {path}.size {header.size} is not a multiple of {path}.num_segments "
+                f"{header.num_segments} (the block's bytes are that many equal segments)",
+                f"{path}.num_segments")
         if header.size > self.store.budget_bytes:
             await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                         f"{where}: {path}.size {header.size} is over the store's whole budget of "
@@ -147,8 +149,9 @@ class KVBlockStoreServicer(kv_cache_pb2_grpc.KVBlockStoreServicer):
         async for chunk in request_iterator:
             kind = chunk.WhichOneof("kind")
             if kind in ("start", "windowed") and header is not None:
-                await _invalid(context, f"block {index}: {kind}: the next block began after {len(data)} of this "
-                                        f"one's {header.size} bytes", kind)
+                await invalid_argument(
+                    context, f"block {index}: {kind}: the next block began after {len(data)} of this "
+                    f"one's {header.size} bytes", kind)
             if kind == "windowed":
                 index += 1
                 block = chunk.windowed
@@ -165,27 +168,30 @@ class KVBlockStoreServicer(kv_cache_pb2_grpc.KVBlockStoreServicer):
                 piece, field = chunk.start.data, "start.data"
             elif kind == "more":
                 if header is None:
-                    await _invalid(context, f"block {index + 1}: more: bytes came before any block header (each "
-                                            "block begins with a start; a windowed one takes no more bytes)", "more")
+                    await invalid_argument(
+                        context, f"block {index + 1}: more: bytes came before any block header (each "
+                        "block begins with a start; a windowed one takes no more bytes)", "more")
                 piece, field = chunk.more, "more"
             else:
-                await _invalid(context, f"block {index + 1}: kind: a chunk is a start, more or windowed, got "
-                                        f"{kind or 'none of them'}", "kind")
+                await invalid_argument(context, f"block {index + 1}: kind: a chunk is a start, more or windowed, got "
+                                       f"{kind or 'none of them'}", "kind")
             if len(piece) > CHUNK_BYTES:
-                await _invalid(context, f"block {index}: {field}: a chunk carries at most {CHUNK_BYTES} bytes, got "
-                                        f"{len(piece)}", field)
+                await invalid_argument(
+                    context, f"block {index}: {field}: a chunk carries at most {CHUNK_BYTES} bytes, got "
+                    f"{len(piece)}", field)
             data += piece
             if len(data) > header.size:
-                await _invalid(context, f"block {index}: {field}: got more bytes than start.header.size "
-                                        f"{header.size}", field)
+                await invalid_argument(context, f"block {index}: {field}: got more bytes than start.header.size "
+                                       f"{header.size}", field)
             if len(data) == header.size:
                 whole = bytes(data)
                 checksum = await asyncio.get_running_loop().run_in_executor(None, zlib.crc32, whole)
                 await self._store(header, "start.header", whole, checksum, index, reply, context)
                 header, data = None, bytearray()
         if header is not None:
-            await _invalid(context, f"block {index}: more: the stream ended after {len(data)} of its {header.size} "
-                                    "bytes", "more")
+            await invalid_argument(
+                context, f"block {index}: more: the stream ended after {len(data)} of its {header.size} "
+                "bytes", "more")
         return reply
 
     async def _store(self, header: kv_cache_pb2.BlockHeader, path: str, data: bytes, checksum: int, index: int,
@@ -218,8 +224,8 @@ class KVBlockStoreServicer(kv_cache_pb2_grpc.KVBlockStoreServicer):
         served = False
         try:
             if request.segment_major and len({b.num_segments for b in blocks}) > 1:
-                await _invalid(context, "segment_major: the blocks have different numbers of segments",
-                               "segment_major")
+                await invalid_argument(context, "segment_major: the blocks have different numbers of segments",
+                                       "segment_major")
             yield _headers(blocks)
             for index, start, end in _chunk_plan(blocks, request.segment_major):
                 yield kv_cache_pb2.GetBlocksChunk(block_bytes=kv_cache_pb2.BlockBytes(
@@ -247,12 +253,13 @@ class KVBlockStoreServicer(kv_cache_pb2_grpc.KVBlockStoreServicer):
             served = False
             try:
                 if len({b.num_segments for b in blocks}) > 1:
-                    await _invalid(context, "keys: the blocks have different numbers of segments (a window holds "
-                                            "them segment-major)", "keys")
+                    await invalid_argument(
+                        context, "keys: the blocks have different numbers of segments (a window holds "
+                        "them segment-major)", "keys")
                 total = sum(len(b.data) for b in blocks)
                 if total > request.window.length:
-                    await _invalid(context, f"window.length {request.window.length} cannot hold the "
-                                            f"{len(blocks)} blocks' {total} bytes", "window.length")
+                    await invalid_argument(context, f"window.length {request.window.length} cannot hold the "
+                                           f"{len(blocks)} blocks' {total} bytes", "window.length")
                 yield _headers(blocks)
                 # aclosing: however this call ends, the copy has stopped before the window is released.
                 async with contextlib.aclosing(_write_segment_major(window, blocks, request.window.offset)) as done:

@@ -25,7 +25,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from taco_llm.protos import lookahead_pb2, lookahead_pb2_grpc
 from taco_llm.protos.kv_cache_limits import LOOKAHEAD_BATCH_BYTES
-from taco_llm.protos.rich_status import Reason, abort
+from taco_llm.protos.rich_status import Reason, abort, invalid_argument
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +75,7 @@ class LookaheadIndexServicer(lookahead_pb2_grpc.LookaheadIndexServicer):
 
     async def _client(self, namespace: str, context: grpc.aio.ServicerContext) -> tuple[redis.Redis, str]:
         if not namespace or len(namespace) > MAX_NAMESPACE_LENGTH:
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                        f"namespace: must be 1 to {MAX_NAMESPACE_LENGTH} characters", Reason.FIELD_INVALID, "namespace")
+            await invalid_argument(context, f"namespace: must be 1 to {MAX_NAMESPACE_LENGTH} characters", "namespace")
         if self.redis is None:
             await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
                         "the cache service was started without --redis-url: the lookahead index is not shared",
@@ -93,9 +92,8 @@ class LookaheadIndexServicer(lookahead_pb2_grpc.LookaheadIndexServicer):
         client, key = await self._client(request.namespace, context)
         tokens = sum(len(r.prompt) + len(r.output) for r in request.records)
         if tokens > MAX_PUBLISH_TOKENS:
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                        f"records: {tokens} tokens in one call; at most {MAX_PUBLISH_TOKENS}", Reason.FIELD_INVALID,
-                        "records")
+            await invalid_argument(context, f"records: {tokens} tokens in one call; at most {MAX_PUBLISH_TOKENS}",
+                                   "records")
         last_id = ""
         try:
             async with client.pipeline(transaction=False) as pipe:
@@ -117,9 +115,8 @@ class LookaheadIndexServicer(lookahead_pb2_grpc.LookaheadIndexServicer):
         client, key = await self._client(request.namespace, context)
         after = request.after_id or "0-0"
         if not LOG_ID.fullmatch(after):
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                        f"after_id: {after!r} is not a log id (MILLISECONDS-SEQUENCE)", Reason.FIELD_INVALID,
-                        "after_id")
+            await invalid_argument(context, f"after_id: {after!r} is not a log id (MILLISECONDS-SEQUENCE)",
+                                   "after_id")
         caught_up = False
         while True:
             try:

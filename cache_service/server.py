@@ -40,13 +40,9 @@ def servicers(config: CacheServiceConfig) -> list[Servicer]:
     """Every service of the cache service, in one place. Each gets the whole config."""
     kv = KVBlockStoreServicer(config)
     lookahead = LookaheadIndexServicer(config.redis_url)
-
-    async def close_kv() -> None:
-        kv.windows.close()
-
     return [
         Servicer(kv_cache_pb2.DESCRIPTOR.services_by_name["KVBlockStore"].full_name,
-                 lambda server: kv_cache_pb2_grpc.add_KVBlockStoreServicer_to_server(kv, server), close_kv),
+                 lambda server: kv_cache_pb2_grpc.add_KVBlockStoreServicer_to_server(kv, server), kv.close),
         Servicer(lookahead_pb2.DESCRIPTOR.services_by_name["LookaheadIndex"].full_name,
                  lambda server: lookahead_pb2_grpc.add_LookaheadIndexServicer_to_server(lookahead, server),
                  lookahead.close),

@@ -39,6 +39,11 @@ async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, messag
     raise AssertionError("unreachable: context.abort raises")
 
 
+async def invalid_argument(context: grpc.aio.ServicerContext, message: str, field: str) -> NoReturn:
+    """The commonest refusal: INVALID_ARGUMENT, reason FIELD_INVALID, naming the field."""
+    await abort(context, grpc.StatusCode.INVALID_ARGUMENT, message, Reason.FIELD_INVALID, field)
+
+
 @dataclass(frozen=True)
 class ErrorDetails:
     """What a taco-llm refusal says beyond its status code."""

@@ -16,7 +16,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from taco_llm.protos import engine_pb2, engine_pb2_grpc
-from taco_llm.protos.rich_status import Reason, abort
+from taco_llm.protos.rich_status import Reason, abort, invalid_argument
 from taco_llm.version import package_version
 
 from ..vllm_internals import is_context_overflow
@@ -161,12 +161,11 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 for message in builder.build(output):
                     yield message
         except VLLMValidationError as error:
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error), Reason.FIELD_INVALID,
-                        error.parameter or "sampling")
+            await invalid_argument(context, str(error), error.parameter or "sampling")
         except VLLMClientError as error:
             # vLLM's other request errors name no parameter; the sampling parameters are what vLLM checks
             # once the request runs (the input was rendered and checked before).
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error), Reason.FIELD_INVALID, "sampling")
+            await invalid_argument(context, str(error), "sampling")
         except EngineDeadError:
             self.on_engine_dead()
             await abort(context, grpc.StatusCode.UNAVAILABLE, "the engine has died; the worker is stopping",
