@@ -235,20 +235,20 @@ def copier_for(device: torch.device) -> KVCopier:
 
 def register_host_memory(pointer: int, size: int, device: torch.device) -> str | None:
     """Page-locks [pointer, pointer + size) for CUDA: None when done, else CUDA's reason."""
-    cudart = torch.cuda.cudart()
-    with torch.cuda.device(device):
-        error = cudart.cudaHostRegister(pointer, size, HOST_REGISTER_PORTABLE)
-        if error == cudart.cudaError.success:
-            return None
-        _forget_last_error(device)
-    return str(cudart.cudaGetErrorString(error))
+    return _runtime_call(device, "cudaHostRegister", pointer, size, HOST_REGISTER_PORTABLE)
 
 
 def unregister_host_memory(pointer: int, device: torch.device) -> str | None:
     """Ends a registration made by register_host_memory: None when done, else CUDA's reason."""
+    return _runtime_call(device, "cudaHostUnregister", pointer)
+
+
+def _runtime_call(device: torch.device, name: str, *args: int) -> str | None:
+    """Calls the CUDA runtime function `name` on `device`: None on success, else CUDA's reason, with the
+    failure cleared so that it does not surface later as another launch's."""
     cudart = torch.cuda.cudart()
     with torch.cuda.device(device):
-        error = cudart.cudaHostUnregister(pointer)
+        error = getattr(cudart, name)(*args)
         if error == cudart.cudaError.success:
             return None
         _forget_last_error(device)

@@ -11,6 +11,7 @@ buffer (page-locked memory, a side stream and events on a CUDA device) is device
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -63,15 +64,17 @@ class KVLayout:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    @property
+    # Cached: the layers never change once registered, and these are read per layer on the engine's
+    # thread (gather, scatter) and per chunk on the load thread.
+    @functools.cached_property
     def segment_shape(self) -> torch.Size:
         return self.layers[0].select(self.block_dim, 0).shape
 
-    @property
+    @functools.cached_property
     def segment_bytes(self) -> int:
         return self.layers[0].select(self.block_dim, 0).numel() * self.layers[0].element_size()
 
-    @property
+    @functools.cached_property
     def block_bytes(self) -> int:
         return self.segment_bytes * self.num_layers
 
@@ -141,16 +144,15 @@ class LayerwiseLoad:
 
     def join(self) -> bool:
         self.thread.join(self.timeout)
-        if self.thread.is_alive():
+        timed_out = self.thread.is_alive()
+        if timed_out:
             # Past its deadline: it must not write into blocks vLLM may hand to other requests now.
             with self.lock:
                 self.cancelled = True
             if self.call is not None:
                 self.call.cancel()
-            self.copies.settle()  # copies already queued land before anything the engine does next
-            return False
-        self.copies.settle()
-        return self.ok
+        self.copies.settle()  # copies already queued land before anything the engine does next
+        return not timed_out and self.ok
 
     def _run(self) -> None:
         try:
@@ -277,10 +279,10 @@ class Sender:
 
     _ATTACH = "attach"  # a queue item: attach a save ring
 
-    def __init__(self, client: KVBlockClient, ring_bytes: int = SAVE_RING_BYTES, copier: KVCopier | None = None):
+    def __init__(self, client: KVBlockClient, *, copier: KVCopier, ring_bytes: int = SAVE_RING_BYTES):
         self.client = client
         self.ring_bytes = ring_bytes
-        self.copier = copier if copier is not None else KVCopier()
+        self.copier = copier
         self.ring: SaveRing | None = None
         self._attach_queued = False
         self.queue: queue.Queue[SaveBatch | str | None] = queue.Queue()
