@@ -134,6 +134,10 @@ def test_missing_input_unknown_model_and_too_long(engine: engine_pb2_grpc.Engine
     code, _, typed = _status(engine.Generate(engine_pb2.GenerateRequest(token_ids=engine_pb2.TokenIds(ids=[10**6]))))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and typed.field == "token_ids"
     assert typed.reason == "TOKEN_OUT_OF_VOCABULARY"
+    with pytest.raises(grpc.RpcError) as excinfo:
+        engine.Detokenize(engine_pb2.DetokenizeRequest(token_ids=[5, 10**6]))
+    assert excinfo.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "token_ids[1]" in excinfo.value.details()
+    assert rich_status.details_of(excinfo.value) == rich_status.ErrorDetails("TOKEN_OUT_OF_VOCABULARY", "token_ids")
     # Still serving.
     assert list(engine.Generate(_chat("hi", temperature=0, max_tokens=3)))
 

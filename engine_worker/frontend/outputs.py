@@ -85,6 +85,8 @@ class ResponseBuilder:
         self.top_logprobs = top_logprobs
         self.completion_tokens = 0
         self.started = False
+        # The prompt's ids, copied once: vLLM hands the same prompt with every output of the request.
+        self.prompt_ids: list[int] | None = None
         # With tool calling, each choice's text goes through its own (stateful) vLLM parser.
         self.tools = tools
         self.tool_parsers: dict[int, ChoiceToolParser] = {}
@@ -93,7 +95,9 @@ class ResponseBuilder:
         """The messages for one engine output: `started` before the first output's delta, `finished`
         after the last one's."""
         messages = []
-        prompt_ids = list(output.prompt_token_ids) if output.prompt_token_ids is not None else None
+        if self.prompt_ids is None and output.prompt_token_ids is not None:
+            self.prompt_ids = list(output.prompt_token_ids)
+        prompt_ids = self.prompt_ids
         if not self.started:
             self.started = True
             started = engine_pb2.Started(prompt_token_ids=prompt_ids or [])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,9 +102,14 @@ async def render_text(renderer: BaseRenderer, model_config: Any, text: str,
     return engine_input  # type: ignore[return-value]
 
 
-def token_input(ids: list[int], vocab_size: int) -> dict[str, Any]:
+def check_token_ids(ids: Sequence[int], vocab_size: int) -> None:
+    """Refuses the first id outside the model's vocabulary, naming `token_ids`."""
     for i, token in enumerate(ids):
         if token >= vocab_size:
             raise InvalidField("token_ids", f"token_ids[{i}] = {token} is outside the vocabulary "
                                             f"(size {vocab_size})", Reason.TOKEN_OUT_OF_VOCABULARY)
+
+
+def token_input(ids: list[int], vocab_size: int) -> dict[str, Any]:
+    check_token_ids(ids, vocab_size)
     return tokens_input(ids)  # type: ignore[return-value]

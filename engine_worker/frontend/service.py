@@ -235,9 +235,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     async def Detokenize(self, request: engine_pb2.DetokenizeRequest,
                          context: grpc.aio.ServicerContext) -> engine_pb2.DetokenizeResponse:
         await self._check_model(request.model, context)
-        for i, token in enumerate(request.token_ids):
-            if token >= self.limits.vocab_size:
-                await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                            f"token_ids[{i}] = {token} is outside the vocabulary (size {self.limits.vocab_size})",
-                            Reason.TOKEN_OUT_OF_VOCABULARY, "token_ids")
+        try:
+            prompts.check_token_ids(request.token_ids, self.limits.vocab_size)
+        except InvalidField as error:
+            await _refuse(context, error)
         return engine_pb2.DetokenizeResponse(text=self.tokenizer.decode(list(request.token_ids)))
