@@ -329,7 +329,6 @@ __all__ = [
     "SchedulerOutput",
     "SchedulerStats",
     "TokenizerLike",
-    "ToolParserManager",
     "batch_prompt_length",
     "batch_request_ids",
     "connector_metadata",
