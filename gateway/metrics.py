@@ -1,4 +1,10 @@
-"""Prometheus metrics of the gateway, served at /metrics, recorded by a plain ASGI middleware.
+"""Prometheus metrics of the gateway, served at /metrics, recorded by a plain ASGI middleware and by the
+router and the streams.
+
+Every metric lives in the gateway's own registry, not prometheus_client's global one: with
+--disable-frontend-multiprocessing the worker's vLLM shares this process, and its `vllm:` metrics of the
+same names would collide. vLLM's names are used where vLLM has the same measure (TTFT, inter-token
+latency, end-to-end latency, tokens, finished requests), so dashboards made for vLLM read the gateway.
 
 A plain ASGI wrapper rather than Starlette's BaseHTTPMiddleware, which re-queues every chunk of a
 streaming response through an extra task and memory stream: a cost paid per token.
@@ -9,17 +15,84 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+REGISTRY = CollectorRegistry(auto_describe=True)
 
 REQUESTS = Counter(
-    "taco_llm_gateway_requests_total", "HTTP requests answered, by route and status", ["route", "status"]
+    "taco_llm_gateway_requests_total", "HTTP requests answered, by route and status", ["route", "status"],
+    registry=REGISTRY,
 )
 LATENCY = Histogram(
     "taco_llm_gateway_response_head_seconds",
     "Time to the response head (for streams: until the first token is ready)",
     ["route"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+    registry=REGISTRY,
 )
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0, 640.0)
+TIME_TO_FIRST_TOKEN = Histogram(
+    "vllm:time_to_first_token_seconds", "Time from the request's arrival to its first output token",
+    ["model_name"], buckets=_LATENCY_BUCKETS, registry=REGISTRY,
+)
+INTER_TOKEN_LATENCY = Histogram(
+    "vllm:inter_token_latency_seconds", "Time between two engine messages of a stream, per output token",
+    ["model_name"], buckets=_LATENCY_BUCKETS, registry=REGISTRY,
+)
+E2E_LATENCY = Histogram(
+    "vllm:e2e_request_latency_seconds", "Time from the request's arrival to its last output token",
+    ["model_name"], buckets=_LATENCY_BUCKETS, registry=REGISTRY,
+)
+PROMPT_TOKENS = Counter(
+    "vllm:prompt_tokens", "Prompt tokens of finished requests", ["model_name"], registry=REGISTRY,
+)
+GENERATION_TOKENS = Counter(
+    "vllm:generation_tokens", "Output tokens relayed to clients", ["model_name"], registry=REGISTRY,
+)
+REQUEST_SUCCESS = Counter(
+    "vllm:request_success", "Generate requests that finished, by finish reason", ["model_name", "finished_reason"],
+    registry=REGISTRY,
+)
+
+# Routing: policy is round_robin, least_load or cache_aware; reason says why this worker won
+# (prefix_match, shared_cache, balance, least_load, round_robin, ...).
+ROUTING_DECISIONS = Counter(
+    "taco_llm_router_decisions", "Workers chosen for requests, by policy and reason", ["policy", "reason"],
+    registry=REGISTRY,
+)
+# The routing prefix-hit rate is hit_chunks / lookup_chunks: the share of the prompts' prefix chunks that
+# the chosen worker was believed to hold (cache_aware only).
+PREFIX_LOOKUP_CHUNKS = Counter(
+    "taco_llm_router_prefix_lookup_chunks", "Prefix chunks of routed prompts (cache_aware)", registry=REGISTRY,
+)
+PREFIX_HIT_CHUNKS = Counter(
+    "taco_llm_router_prefix_hit_chunks",
+    "Prefix chunks the chosen worker was believed to hold, on the worker or in its shared cache service",
+    ["where"], registry=REGISTRY,
+)
+RETRIES = Counter(
+    "taco_llm_router_retries", "Requests sent again to another worker before their first token, by gRPC code",
+    ["code"], registry=REGISTRY,
+)
+MIGRATIONS = Counter(
+    "taco_llm_router_migrations", "Streams continued on another worker after theirs failed, by outcome",
+    ["outcome"], registry=REGISTRY,
+)
+CIRCUIT_STATE = Gauge(
+    "taco_llm_worker_circuit_state", "Each worker's circuit breaker: 0 closed, 1 half-open, 2 open", ["worker"],
+    registry=REGISTRY,
+)
+WORKER_READY = Gauge(
+    "taco_llm_worker_ready", "1 while the worker is in the pool and serving, else 0", ["worker"], registry=REGISTRY,
+)
+WORKER_LOAD = Gauge(
+    "taco_llm_worker_load",
+    "Each worker's load: running and waiting requests and KV-cache usage (from GetLoad), and this "
+    "gateway's streams on it", ["worker", "kind"], registry=REGISTRY,
+)
+
 _ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health",
            "/version", "/metrics"}
 

@@ -19,6 +19,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TOOL_CHOICE_UNSUPPORTED: _ClassVar[ErrorReason]
     STRUCTURED_OUTPUT_BACKEND_FIXED: _ClassVar[ErrorReason]
     ENGINE_DEAD: _ClassVar[ErrorReason]
+    WORKER_DRAINING: _ClassVar[ErrorReason]
     WINDOW_NOT_FOUND: _ClassVar[ErrorReason]
     WINDOW_UNREACHABLE: _ClassVar[ErrorReason]
     WINDOW_IO_FAILED: _ClassVar[ErrorReason]
@@ -39,6 +40,7 @@ CHAT_TEMPLATE_NOT_TRUSTED: ErrorReason
 TOOL_CHOICE_UNSUPPORTED: ErrorReason
 STRUCTURED_OUTPUT_BACKEND_FIXED: ErrorReason
 ENGINE_DEAD: ErrorReason
+WORKER_DRAINING: ErrorReason
 WINDOW_NOT_FOUND: ErrorReason
 WINDOW_UNREACHABLE: ErrorReason
 WINDOW_IO_FAILED: ErrorReason
