@@ -61,6 +61,50 @@ GATEWAY_FLAGS: list[tuple[str, dict[str, object]]] = [
 ]
 
 
+ROUTING_POLICIES = ["cache_aware", "least_load", "round_robin"]
+
+# The fleet's flags: how the gateway finds its workers, routes to them and survives their failures.
+# `taco_llm serve` takes the same ones and hands them to its gateway.
+ROUTING_FLAGS: list[tuple[str, dict[str, object]]] = [
+    ("--routing", {"choices": ROUTING_POLICIES, "default": "cache_aware",
+                   "help": "how a worker is chosen: cache_aware (prefix affinity weighed against load), "
+                           "least_load (the workers' running and waiting requests and KV-cache usage) or "
+                           "round_robin (default: cache_aware)"}),
+    ("--registry-url", {"default": None, "metavar": "URL",
+                        "help": "Redis where workers register (taco_llm worker --registry-url): workers "
+                                "that register join the pool, and leave when their key expires"}),
+    ("--health-interval", {"type": float, "default": 0.5, "metavar": "SECONDS",
+                           "help": "how often each worker's health and load are read (default: 0.5)"}),
+    ("--max-retries", {"type": int, "default": 2,
+                       "help": "times a request that has produced no token yet is sent to another worker "
+                               "after its worker fails (default: 2)"}),
+    ("--retry-backoff", {"type": float, "default": 0.05, "metavar": "SECONDS",
+                         "help": "wait before the first retry; it doubles with each retry (default: 0.05)"}),
+    ("--max-migrations", {"type": int, "default": 2,
+                          "help": "times a stream under way is continued on another worker when its worker "
+                                  "fails (default: 2; 0: never)"}),
+    ("--cache-aware-balance-abs-threshold", {"type": int, "default": 16,
+                                             "help": "cache_aware routes by load alone while the busiest and "
+                                                     "the idlest worker differ by more than this many "
+                                                     "requests... (default: 16)"}),
+    ("--cache-aware-balance-rel-threshold", {"type": float, "default": 1.5,
+                                             "help": "...and the busiest has more than this many times the "
+                                                     "idlest's load (default: 1.5)"}),
+    ("--cache-aware-offload-discount", {"type": float, "default": 0.75,
+                                        "help": "what a prefix held by a worker's shared cache service is "
+                                                "worth next to one on the worker itself (default: 0.75)"}),
+    ("--otlp-traces-endpoint", {"default": None, "metavar": "URL",
+                                "help": "send OpenTelemetry traces over OTLP/gRPC to this collector "
+                                        "(e.g. http://127.0.0.1:4317), as vLLM's flag of that name"}),
+]
+
+
 def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     for flag, kwargs in GATEWAY_FLAGS:
         parser.add_argument(flag, **kwargs)  # type: ignore[arg-type]
+
+
+def add_routing_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("the fleet: discovery, routing and failover")
+    for flag, kwargs in ROUTING_FLAGS:
+        group.add_argument(flag, **kwargs)  # type: ignore[arg-type]
