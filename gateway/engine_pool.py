@@ -1,4 +1,17 @@
-"""The engine workers behind the gateway: their health, the models they serve, and routing."""
+"""The engine workers behind the gateway: who they are (--engine, and the registry with --registry-url),
+whether each is ready, how loaded, whether its circuit breaker lets requests through, and which one a
+request goes to (routing.py's policies).
+
+Each member has its own watch task: every --health-interval, a health Check and a GetLoad under a short
+deadline. A refused connection or NOT_SERVING takes a worker out of rotation at once; a missed deadline
+(a worker frozen or cut off) does at the second miss in a row, so a busy worker that answers one check
+late is not dropped. With the defaults (0.5 s, 0.75 s deadline) a dead or cut-off worker is out within
+2 s. ModelInfo is read again whenever a worker becomes ready: it may have restarted with other settings.
+
+A member that leaves (its registry key gone) stops being routed to at once; its channel is closed only
+once the streams the gateway has on it have ended: a key that expires must not cut a running stream (a
+worker that really died fails its streams by itself).
+"""
 
 from __future__ import annotations
 
@@ -6,18 +19,28 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Sequence
+import time
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from taco_llm.protos import engine_pb2, engine_pb2_grpc
+from taco_llm.protos import engine_pb2, engine_pb2_grpc, registry_pb2
 from taco_llm.protos.engine_limits import ENGINE_SERVICE, GRPC_MESSAGE_LIMIT
+from taco_llm.protos.registry_keys import LIST_INTERVAL_SECONDS
 
-from .errors import APIError
+from . import discovery
+from .circuit_breaker import BreakerState, CircuitBreaker
+from .errors import APIError, service_unavailable
+from .metrics import CIRCUIT_STATE, ROUTING_DECISIONS, WORKER_LOAD, WORKER_READY
+from .routing import Route, RouteKey, make_policy
+
+__all__ = ["EngineClient", "EnginePool", "Route", "RouteKey"]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Long prompts and many logprobs make big messages; the gRPC default of 4 MiB is too small.
 GRPC_OPTIONS = [
@@ -31,7 +54,21 @@ GRPC_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
-MISSED_CHECKS_BEFORE_UNREADY = 3
+# Two misses in a row at this deadline, after at most one interval, fit in 2 s at the default interval.
+HEALTH_DEADLINE_SECONDS = 0.75
+MISSED_CHECKS_BEFORE_UNREADY = 2
+# A full KV cache weighs as this many queued requests: the worker is about to queue or preempt.
+KV_CACHE_WEIGHT = 2.0
+# How often a leaving member is looked at, until its last stream has ended.
+_RETIRE_POLL_SECONDS = 0.2
+_LOAD_KINDS = ("running", "waiting", "kv_cache_usage", "gateway_streams")
+
+
+async def _outcome(call: Awaitable[T]) -> T | grpc.aio.AioRpcError:
+    try:
+        return await call
+    except grpc.aio.AioRpcError as error:
+        return error
 
 
 @dataclass(eq=False)
@@ -42,86 +79,251 @@ class EngineClient:
     channel: grpc.aio.Channel
     stub: engine_pb2_grpc.EngineStub
     health: health_pb2_grpc.HealthStub
+    # Kept while the worker is not ready, so that its streams under way can still read it; read again
+    # when it becomes ready.
     info: engine_pb2.ModelInfo | None = None
     ready: bool = False
+    # Streams this gateway has open on it (the streams' code counts them).
     in_flight: int = 0
     missed_checks: int = 0
     last_error: str = field(default="", repr=False)
-    # Sent on the gateway's own calls (GetModelInfo), for workers started with --api-key.
+    # Sent on the gateway's own calls (GetModelInfo, GetLoad), for workers started with --api-key.
     metadata: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+    # Given with --engine: never leaves the pool. A registered worker leaves when its key does.
+    static: bool = True
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker, repr=False)
+    # The last GetLoad answer; None until one came (or for a worker without GetLoad).
+    reported: engine_pb2.Load | None = field(default=None, repr=False)
+    # Requests routed to it, ever, and that count when the GetLoad behind `reported` was sent: the
+    # difference is what the worker had not seen yet.
+    routed: int = 0
+    routed_at_report: int = 0
 
     @classmethod
-    def connect(cls, address: str, metadata: tuple[tuple[str, str], ...] = ()) -> EngineClient:
+    def connect(cls, address: str, metadata: tuple[tuple[str, str], ...] = (), *, static: bool = True,
+                breaker: CircuitBreaker | None = None) -> EngineClient:
         channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
         return cls(address, channel, engine_pb2_grpc.EngineStub(channel), health_pb2_grpc.HealthStub(channel),
-                   metadata=metadata)
+                   metadata=metadata, static=static, breaker=breaker or CircuitBreaker())
 
     def serves(self, model: str) -> bool:
         return self.info is not None and model in self.info.served_model_names
 
-    async def refresh(self, timeout: float) -> None:
-        try:
-            reply = await self.health.Check(
-                health_pb2.HealthCheckRequest(service=ENGINE_SERVICE), timeout=timeout, wait_for_ready=True
-            )
-            serving = reply.status == health_pb2.HealthCheckResponse.SERVING
-            if serving and self.info is None:
-                self.info = await self.stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=timeout,
-                                                         metadata=self.metadata)
-        except grpc.aio.AioRpcError as error:
-            self.last_error = f"{error.code().name}: {error.details()}"
-            self.missed_checks += 1
-            # A busy worker can miss a health deadline; only a refused connection, or several misses
-            # in a row, take it out of rotation.
-            serving = (self.ready and error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-                       and self.missed_checks < MISSED_CHECKS_BEFORE_UNREADY)
+    @property
+    def load(self) -> float:
+        """Requests on the worker (running and waiting, by its own count, plus those routed since it
+        counted), with a KV-cache term; this gateway's own streams for a worker without GetLoad."""
+        report = self.reported
+        if report is None:
+            return float(self.in_flight)
+        return (report.num_running_requests + report.num_waiting_requests + (self.routed - self.routed_at_report)
+                + KV_CACHE_WEIGHT * report.kv_cache_usage)
+
+    @property
+    def cache_group(self) -> str:
+        return self.info.prefix_cache_service if self.info is not None else ""
+
+    async def poll(self, deadline: float) -> None:
+        """One health Check and GetLoad; updates `ready` (and `info` when it becomes ready)."""
+        routed_before = self.routed
+        check: health_pb2.HealthCheckResponse | grpc.aio.AioRpcError
+        load: engine_pb2.Load | grpc.aio.AioRpcError
+        check, load = await asyncio.gather(
+            _outcome(self.health.Check(health_pb2.HealthCheckRequest(service=ENGINE_SERVICE), timeout=deadline)),
+            _outcome(self.stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=deadline, metadata=self.metadata)),
+        )
+        if isinstance(check, grpc.aio.AioRpcError):
+            self.last_error = f"{check.code().name}: {check.details()}"
+            if check.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                self.missed_checks += 1
+                serving = self.ready and self.missed_checks < MISSED_CHECKS_BEFORE_UNREADY
+            else:
+                serving = False
         else:
             self.missed_checks = 0
-        if serving != self.ready:
-            logger.info("engine %s is %s", self.address, "ready" if serving else "not ready")
-        if not serving:
-            # A worker that restarts may come back with another model or other limits.
-            self.info = None
+            serving = check.status == health_pb2.HealthCheckResponse.SERVING
+            if not serving:
+                self.last_error = health_pb2.HealthCheckResponse.ServingStatus.Name(check.status)
+        if isinstance(load, engine_pb2.Load):
+            self.reported = load
+            self.routed_at_report = routed_before
+        elif isinstance(load, grpc.aio.AioRpcError) and load.code() == grpc.StatusCode.UNIMPLEMENTED:
+            self.reported = None
+        if serving and (not self.ready or self.info is None):
+            try:
+                self.info = await self.stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=deadline,
+                                                         metadata=self.metadata)
+            except grpc.aio.AioRpcError as error:
+                self.last_error = f"GetModelInfo: {error.code().name}: {error.details()}"
+                serving = False
+        if serving:
+            self.last_error = ""
         self.ready = serving
+
+    def why_not_ready(self) -> str:
+        return self.last_error or "starting"
 
 
 class EnginePool:
-    """Routes each request to the least-busy ready worker that serves its model."""
+    """The workers, their membership and health, and the routing of each request to one of them."""
 
-    def __init__(self, addresses: Sequence[str], health_interval: float = 1.0,
-                 metadata: tuple[tuple[str, str], ...] = ()):
-        if not addresses:
-            raise ValueError("at least one --engine HOST:PORT is needed")
+    def __init__(self, addresses: Sequence[str] = (), *, health_interval: float = 0.5,
+                 metadata: tuple[tuple[str, str], ...] = (), routing: str = "cache_aware",
+                 registry_url: str | None = None, balance_abs_threshold: float = 16,
+                 balance_rel_threshold: float = 1.5, offload_discount: float = 0.75,
+                 list_interval: float = LIST_INTERVAL_SECONDS,
+                 breaker_factory: Callable[[], CircuitBreaker] = CircuitBreaker,
+                 clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None):
+        if not addresses and not registry_url:
+            raise ValueError("at least one --engine HOST:PORT or a --registry-url is needed")
+        if registry_url:
+            discovery.check_registry_url(registry_url)
         self.addresses = list(addresses)
+        self.registry_url = registry_url
         # Channels belong to the event loop that creates them: made in start(), on the server's loop.
         self.clients: list[EngineClient] = []
         self.health_interval = health_interval
+        self.list_interval = list_interval
         self.metadata = metadata
-        self._task: asyncio.Task[None] | None = None
+        self.policy = make_policy(routing, balance_abs_threshold=balance_abs_threshold,
+                                  balance_rel_threshold=balance_rel_threshold, offload_discount=offload_discount,
+                                  rng=rng)
+        self.breaker_factory = breaker_factory
+        self.clock = clock
+        self.rng = rng or random.Random()
+        self._registry: discovery.Registry | None = None
+        self._watchers: dict[EngineClient, asyncio.Task[None]] = {}
+        self._retiring: dict[EngineClient, asyncio.Task[None]] = {}
+        self._discovery: asyncio.Task[None] | None = None
+
+    # -- life --------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self.clients = [EngineClient.connect(a, self.metadata) for a in self.addresses]
+        self.clients = [self._connect(a, static=True) for a in self.addresses]
+        # One round before serving, so that a gateway started after its workers answers at once.
         await self.refresh()
-        self._task = asyncio.create_task(self._watch(), name="engine-health")
+        if self.registry_url:
+            self._registry = discovery.Registry(self.registry_url)
+            with contextlib.suppress(discovery.RegistryUnavailable):
+                self.apply_registry(await self._registry.list_workers())
+            await self.refresh()
+            self._discovery = asyncio.create_task(
+                discovery.watch(self._registry, self.apply_registry, interval=self.list_interval),
+                name="engine-discovery")
+        for client in self.clients:
+            self._start_watch(client)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        await asyncio.gather(*(c.channel.close() for c in self.clients), return_exceptions=True)
+        tasks = [*self._watchers.values(), *self._retiring.values()]
+        if self._discovery is not None:
+            tasks.append(self._discovery)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        channels = [c.channel for c in [*self.clients, *self._retiring] if c.channel is not None]
+        await asyncio.gather(*(channel.close() for channel in channels), return_exceptions=True)
+        if self._registry is not None:
+            await self._registry.close()
+        self._watchers.clear()
+        self._retiring.clear()
 
     async def refresh(self) -> None:
-        timeout = max(self.health_interval, 1.0)
-        await asyncio.gather(*(c.refresh(timeout) for c in self.clients))
+        """One health and load round on every member."""
+        await asyncio.gather(*(self._poll(c) for c in self.clients))
 
-    async def _watch(self) -> None:
+    # -- membership --------------------------------------------------------------------------------
+
+    def apply_registry(self, records: Mapping[str, registry_pb2.WorkerRecord]) -> None:
+        """The registry's listing: new addresses join, registered members whose key is gone leave."""
+        present = {c.address for c in self.clients}
+        for address in records:
+            if address not in present:
+                client = self._connect(address, static=False)
+                self.clients.append(client)
+                logger.info("engine %s registered: joining the pool", address)
+                if self._discovery is not None:  # during start(), start() watches it
+                    self._start_watch(client)
+        for client in list(self.clients):
+            if not client.static and client.address not in records:
+                self._leave(client)
+
+    def _connect(self, address: str, *, static: bool) -> EngineClient:
+        return EngineClient.connect(address, self.metadata, static=static, breaker=self.breaker_factory())
+
+    def _start_watch(self, client: EngineClient) -> None:
+        if client not in self._watchers:
+            self._watchers[client] = asyncio.create_task(self._watch(client), name=f"engine-health {client.address}")
+
+    def _leave(self, client: EngineClient) -> None:
+        logger.info("engine %s left the registry: out of the pool (%d streams left to finish)",
+                    client.address, client.in_flight)
+        self.clients.remove(client)
+        client.ready = False
+        self.policy.forget(client.address)
+        watcher = self._watchers.pop(client, None)
+        if watcher is not None:
+            watcher.cancel()
+        self._drop_metrics(client.address)
+        self._retiring[client] = asyncio.create_task(self._retire(client), name=f"engine-retire {client.address}")
+
+    async def _retire(self, client: EngineClient) -> None:
+        try:
+            while client.in_flight > 0:
+                await asyncio.sleep(_RETIRE_POLL_SECONDS)
+            await client.channel.close()
+        finally:
+            self._retiring.pop(client, None)
+
+    # -- health ------------------------------------------------------------------------------------
+
+    async def _watch(self, client: EngineClient) -> None:
+        loop = asyncio.get_running_loop()
         while True:
-            await asyncio.sleep(self.health_interval)
+            started = loop.time()
             try:
-                await self.refresh()
+                await self._poll(client)
+            except asyncio.CancelledError:
+                raise
             except Exception:  # the watcher must outlive any one failure
-                logger.exception("engine health check failed")
+                logger.exception("health check of engine %s failed", client.address)
+            await asyncio.sleep(max(0.0, self.health_interval - (loop.time() - started)))
+
+    async def _poll(self, client: EngineClient) -> None:
+        was_ready = client.ready
+        await client.poll(HEALTH_DEADLINE_SECONDS)
+        if client not in self.clients:  # it left while the check was out
+            return
+        if client.ready and not was_ready:
+            # Perhaps restarted: whatever the index says it held is gone.
+            self.policy.forget(client.address)
+            assert client.info is not None
+            logger.info("engine %s is ready (%s)", client.address, ", ".join(client.info.served_model_names))
+        elif was_ready and not client.ready:
+            logger.warning("engine %s is not ready: %s", client.address, client.why_not_ready())
+        self._publish(client)
+
+    def _publish(self, client: EngineClient) -> None:
+        address = client.address
+        WORKER_READY.labels(address).set(1 if client.ready else 0)
+        report = client.reported or engine_pb2.Load()
+        WORKER_LOAD.labels(address, "running").set(report.num_running_requests)
+        WORKER_LOAD.labels(address, "waiting").set(report.num_waiting_requests)
+        WORKER_LOAD.labels(address, "kv_cache_usage").set(report.kv_cache_usage)
+        WORKER_LOAD.labels(address, "gateway_streams").set(client.in_flight)
+        CIRCUIT_STATE.labels(address).set(client.breaker.state(self.clock()))
+
+    @staticmethod
+    def _drop_metrics(address: str) -> None:
+        # Another member may still have this address (it left and came back): it republishes next tick.
+        with contextlib.suppress(KeyError):
+            WORKER_READY.remove(address)
+        with contextlib.suppress(KeyError):
+            CIRCUIT_STATE.remove(address)
+        for kind in _LOAD_KINDS:
+            with contextlib.suppress(KeyError):
+                WORKER_LOAD.remove(address, kind)
+
+    # -- what is served ----------------------------------------------------------------------------
 
     def ready_clients(self) -> list[EngineClient]:
         return [c for c in self.clients if c.ready and c.info is not None]
@@ -141,21 +343,85 @@ class EnginePool:
                 seen.setdefault(name, client.info)
         return list(seen.items())
 
+    # -- routing -----------------------------------------------------------------------------------
+
+    def route(self, key: RouteKey, *, exclude: Collection[EngineClient] = ()) -> Route:
+        """The worker for a generate request, by the --routing policy, among the ready workers of the
+        model whose breaker lets it through, but for `exclude` (those a retry already tried)."""
+        model, serving = self._serving(key.model)
+        now = self.clock()
+        eligible = [c for c in serving if c not in exclude and c.breaker.allows(now)]
+        if not eligible:
+            raise self._none_eligible(model, serving, exclude, now)
+        choice = self.policy.choose(eligible, model=model, key=key)
+        client = choice.target
+        client.breaker.routed(now)
+        client.routed += 1
+        ROUTING_DECISIONS.labels(self.policy.name, choice.reason).inc()
+        CIRCUIT_STATE.labels(client.address).set(client.breaker.state(now))
+        return Route(client, self.policy.name, choice.reason, choice.prefix_match)
+
+    def record_outcome(self, client: EngineClient, *, worker_fault: bool) -> None:
+        """How a routed request went, for the worker's breaker: `worker_fault` for a fault of the worker
+        (circuit_breaker.worker_fault_code, or a stream that ended without `finished`), never for a
+        refusal of the client's input. Call it once per route(), when the outcome is known."""
+        now = self.clock()
+        before = client.breaker.state(now)
+        after = client.breaker.record(now, worker_fault=worker_fault)
+        if after is BreakerState.OPEN and before is not BreakerState.OPEN:
+            logger.warning("engine %s: circuit open for %.0f s after repeated worker faults", client.address,
+                           client.breaker.remaining(now))
+        elif after is BreakerState.CLOSED and before is not BreakerState.CLOSED:
+            logger.info("engine %s: circuit closed, the trial request succeeded", client.address)
+        if client in self.clients:
+            CIRCUIT_STATE.labels(client.address).set(after)
+
     def pick(self, model: str | None) -> EngineClient:
+        """The least-loaded ready worker of the model whose breaker is not open (for tokenize,
+        detokenize: calls that do not warrant the routing policy)."""
+        model, serving = self._serving(model)
+        now = self.clock()
+        usable = [c for c in serving if c.breaker.state(now) is not BreakerState.OPEN]
+        if not usable:
+            raise self._none_eligible(model, serving, (), now)
+        least = min(c.load for c in usable)
+        return self.rng.choice([c for c in usable if c.load <= least])
+
+    def _serving(self, model: str | None) -> tuple[str, list[EngineClient]]:
+        """The model routed on (the default resolved) and its ready workers; raises 503 or 404."""
         ready = self.ready_clients()
         if not ready:
             raise self.unavailable()
-        if model:
-            candidates = [c for c in ready if c.serves(model)]
-            if not candidates:
-                raise APIError(
-                    404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
-                )
-        else:
-            candidates = ready
-        least = min(c.in_flight for c in candidates)
-        return random.choice([c for c in candidates if c.in_flight == least])
+        if not model:
+            assert ready[0].info is not None
+            model = ready[0].info.served_model_names[0]
+        serving = [c for c in ready if c.serves(model)]
+        if not serving:
+            if any(c.serves(model) for c in self.clients):
+                # Its workers are known but none is ready now (restarting, say): worth a retry.
+                raise self.unavailable(model)
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        return model, serving
 
-    def unavailable(self) -> APIError:
-        details = "; ".join(f"{c.address}: {c.last_error or 'starting'}" for c in self.clients)
-        return APIError(503, f"No engine worker is ready ({details}).", code="no_engine_ready")
+    def unavailable(self, model: str | None = None) -> APIError:
+        """503: no worker (of the model) is ready; says what is wrong with each."""
+        members = [c for c in self.clients if not model or c.serves(model)] or self.clients
+        details = "; ".join(f"{c.address}: {c.why_not_ready()}" for c in members) or "no worker registered"
+        what = f"of the model `{model}` " if model else ""
+        return service_unavailable(f"No engine worker {what}is ready ({details}).")
+
+    def _none_eligible(self, model: str, serving: Sequence[EngineClient], exclude: Collection[EngineClient],
+                       now: float) -> APIError:
+        parts = []
+        waits = []
+        for client in serving:
+            if client in exclude:
+                parts.append(f"{client.address}: already tried by this request")
+            elif client.breaker.state(now) is BreakerState.OPEN:
+                waits.append(client.breaker.retry_after(now))
+                parts.append(f"{client.address}: circuit open after repeated worker faults, "
+                             f"{client.breaker.retry_after(now)} s to a trial request")
+            else:
+                parts.append(f"{client.address}: circuit half-open, a trial request is under way")
+        return service_unavailable(f"No engine worker of the model `{model}` can take the request now "
+                                   f"({'; '.join(parts)}).", retry_after=min(waits, default=1))

@@ -43,12 +43,15 @@ _GRPC_TO_HTTP = {
 class APIError(Exception):
     """An error that reaches the client as OpenAI error JSON."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: Mapping[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        # Sent with the answer: Retry-After on a 503, when no worker can take the request yet.
+        self.headers = dict(headers or {})
 
     def body(self) -> dict[str, object]:
         return {
@@ -61,7 +64,13 @@ class APIError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers or None)
+
+
+def service_unavailable(message: str, *, retry_after: int = 1, code: str = "no_engine_ready") -> APIError:
+    """A 503 the client may retry after `retry_after` seconds (Retry-After)."""
+    return APIError(HTTPStatus.SERVICE_UNAVAILABLE, message, code=code,
+                    headers={"Retry-After": str(max(1, retry_after))})
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

@@ -19,7 +19,8 @@ class ServingModels:
 
     def health(self) -> JSONResponse:
         if not self.pool.ready_clients():
-            return JSONResponse({"status": "unavailable"}, status_code=503)
+            # Load balancers in front of several gateways take this one out until a worker is ready.
+            return JSONResponse({"status": "unavailable"}, status_code=503, headers={"Retry-After": "1"})
         return JSONResponse({"status": "ok"})
 
     def version(self) -> dict[str, Any]:

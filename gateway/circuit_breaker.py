@@ -1,0 +1,131 @@
+"""A circuit breaker per worker: after a run of worker faults the gateway stops sending it requests for a
+cool-down, then lets one trial request through to see whether it has recovered.
+
+Pure structure, no gRPC and no clock of its own (every call takes `now`), so tests drive time directly.
+
+States and invariant:
+- CLOSED: requests flow; `failures` counts the worker faults in a row, always below `threshold`.
+- OPEN: no request is routed until `opened_at + cooldown`; then the breaker reads as HALF_OPEN.
+- HALF_OPEN: one trial request at a time (`trial_since` is set while it is out); its success closes the
+  breaker and resets the cool-down to `base_cooldown`, its failure reopens it with the cool-down doubled
+  (never above `max_cooldown`). A trial whose outcome never comes back (its caller vanished) frees its
+  slot after `trial_timeout`, so the breaker cannot stay shut forever.
+`base_cooldown <= cooldown <= max_cooldown` always holds.
+
+Only worker faults are fed in as failures: the caller decides what a fault is (worker_fault_code), and
+a client's bad input must never count, or a flood of bad requests would open every breaker of a fleet.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+import grpc
+
+DEFAULT_THRESHOLD = 3
+DEFAULT_BASE_COOLDOWN = 5.0
+DEFAULT_MAX_COOLDOWN = 60.0
+DEFAULT_TRIAL_TIMEOUT = 30.0
+
+# Statuses that say the worker (or the path to it) failed, whatever the request was. Every other code
+# (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED for a prompt too long, ALREADY_EXISTS,
+# UNAUTHENTICATED, FAILED_PRECONDITION, OUT_OF_RANGE, CANCELLED by the client...) is about the request.
+WORKER_FAULT_CODES = frozenset({
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.DATA_LOSS,
+    grpc.StatusCode.UNIMPLEMENTED,
+})
+
+
+def worker_fault_code(code: grpc.StatusCode) -> bool:
+    """Whether a call that ended with this status should count against its worker's breaker.
+    (A stream that ends without `finished` is a worker fault too; its caller knows that, not the code.)"""
+    return code in WORKER_FAULT_CODES
+
+
+class BreakerState(enum.IntEnum):
+    # The values are CIRCUIT_STATE's: 0 closed, 1 half-open, 2 open.
+    CLOSED = 0
+    HALF_OPEN = 1
+    OPEN = 2
+
+
+@dataclass
+class CircuitBreaker:
+    threshold: int = DEFAULT_THRESHOLD
+    base_cooldown: float = DEFAULT_BASE_COOLDOWN
+    max_cooldown: float = DEFAULT_MAX_COOLDOWN
+    trial_timeout: float = DEFAULT_TRIAL_TIMEOUT
+    failures: int = 0
+    cooldown: float = 0.0
+    opened_at: float | None = None
+    trial_since: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.threshold < 1 or self.base_cooldown <= 0 or self.max_cooldown < self.base_cooldown:
+            raise ValueError("a breaker needs threshold >= 1 and 0 < base_cooldown <= max_cooldown")
+        self.cooldown = self.cooldown or self.base_cooldown
+
+    def state(self, now: float) -> BreakerState:
+        if self.opened_at is None:
+            return BreakerState.CLOSED
+        if now < self.opened_at + self.cooldown:
+            return BreakerState.OPEN
+        return BreakerState.HALF_OPEN
+
+    def allows(self, now: float) -> bool:
+        """Whether a request may be routed to the worker now (half-open: only while no trial is out)."""
+        state = self.state(now)
+        if state is BreakerState.CLOSED:
+            return True
+        if state is BreakerState.OPEN:
+            return False
+        return self.trial_since is None or now >= self.trial_since + self.trial_timeout
+
+    def routed(self, now: float) -> None:
+        """A request was sent: in half-open it is the trial."""
+        if self.state(now) is BreakerState.HALF_OPEN:
+            self.trial_since = now
+
+    def record(self, now: float, *, worker_fault: bool) -> BreakerState:
+        """Feeds one request's outcome; returns the state after it."""
+        state = self.state(now)
+        if not worker_fault:
+            # The worker answered (even a refusal of bad input is an answer): the run of faults is over.
+            self.failures = 0
+            if state is not BreakerState.CLOSED:
+                self.opened_at = None
+                self.trial_since = None
+                self.cooldown = self.base_cooldown
+            return self.state(now)
+        if state is BreakerState.OPEN:
+            # A late outcome of a request sent before the breaker opened: already counted as a reason.
+            return state
+        if state is BreakerState.HALF_OPEN:
+            self.cooldown = min(self.cooldown * 2, self.max_cooldown)
+            self._open(now)
+            return self.state(now)
+        self.failures += 1
+        if self.failures >= self.threshold:
+            self._open(now)
+        return self.state(now)
+
+    def remaining(self, now: float) -> float:
+        """Seconds until an open breaker lets a trial through (0 unless open)."""
+        if self.opened_at is None:
+            return 0.0
+        return max(0.0, self.opened_at + self.cooldown - now)
+
+    def retry_after(self, now: float) -> int:
+        """Retry-After for a client whom only this breaker keeps out: whole seconds, at least 1."""
+        return max(1, math.ceil(self.remaining(now)))
+
+    def _open(self, now: float) -> None:
+        self.opened_at = now
+        self.trial_since = None
+        self.failures = 0

@@ -1,0 +1,205 @@
+"""How the gateway chooses a worker among those eligible for a request (--routing).
+
+The pool (engine_pool.py) decides who is eligible: ready, serving the model, its breaker letting
+requests through, not already tried by this request. A policy only orders the eligible:
+
+- round_robin: each in turn, by address, so a change of membership does not reset the turn.
+- least_load: the lowest load, as RoutingTarget.load defines it (the worker's running and waiting
+  requests from GetLoad, the streams this gateway started since, and a KV-cache term); ties at random.
+- cache_aware: load minus a credit for the share of the prompt's leading chunks the worker is believed
+  to hold (prefix_index.py), unless the fleet is imbalanced, when load alone decides (SGLang's rule:
+  max - min > the absolute threshold and max > the relative threshold x min). Workers that offload to
+  the same cache service (ModelInfo.prefix_cache_service) share one more index: a prefix any of them was
+  sent is warm on all of them, at --cache-aware-offload-discount of a local hit, since the worker
+  fetches those blocks from host memory instead of recomputing them.
+"""
+
+from __future__ import annotations
+
+import abc
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Generic, Protocol, TypeVar
+
+from .metrics import PREFIX_HIT_CHUNKS, PREFIX_LOOKUP_CHUNKS
+from .prefix_index import DEFAULT_CAPACITY, PrefixIndex, chunk_hashes
+
+if TYPE_CHECKING:
+    from .engine_pool import EngineClient
+
+POLICIES = ("cache_aware", "least_load", "round_robin")
+
+# What a whole prompt found warm on a worker is worth, in requests of load: a worker holding the whole
+# prefix wins over one this many requests less busy. Past that, the balance rule usually takes over.
+PREFIX_CREDIT_REQUESTS = 8.0
+# Loads this close are a tie, broken at random (so equal workers share a burst).
+_TIE = 1e-9
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouteKey:
+    """What routing needs to know of a request."""
+
+    model: str | None          # the model name as asked; None or "" = the default model
+    prefix_text: str = ""      # what cache_aware matches: the prompt text, or the chat messages joined
+    cache_salt: str = ""
+
+
+@dataclass(frozen=True)
+class Route:
+    client: EngineClient
+    policy: str                # "round_robin" | "least_load" | "cache_aware"
+    reason: str
+    prefix_match: float        # 0..1 on the chosen worker (0 when not cache_aware)
+
+
+class RoutingTarget(Protocol):
+    """What a policy reads of a worker (EngineClient has these; tests use plain fakes)."""
+
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def load(self) -> float: ...
+
+    @property
+    def cache_group(self) -> str: ...  # the shared cache service's address, "" for none
+
+
+T = TypeVar("T", bound=RoutingTarget)
+
+
+@dataclass(frozen=True)
+class Choice(Generic[T]):
+    target: T
+    reason: str
+    prefix_match: float = 0.0
+
+
+def tenant_of(model: str, cache_salt: str) -> str:
+    """The seed of a prompt's chunk chain: affinity never crosses models, adapters or salts."""
+    return f"{model}\x00{cache_salt}"
+
+
+class Policy(abc.ABC):
+    name: ClassVar[str]
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self.rng = rng or random.Random()
+
+    @abc.abstractmethod
+    def choose(self, candidates: Sequence[T], *, model: str, key: RouteKey) -> Choice[T]:
+        """One of `candidates` (never empty); `model` is the name routed on, the default resolved."""
+
+    def forget(self, address: str) -> None:
+        """The worker left, or restarted with a cold cache: only cache_aware remembers workers."""
+        del address
+
+    def least_loaded(self, candidates: Sequence[RoutingTarget]) -> int:
+        """The index of the least-loaded candidate, ties broken at random."""
+        loads = [c.load for c in candidates]
+        least = min(loads)
+        return self.rng.choice([i for i, load in enumerate(loads) if load <= least + _TIE])
+
+
+class RoundRobin(Policy):
+    name = "round_robin"
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        super().__init__(rng)
+        self._last = ""
+
+    def choose(self, candidates: Sequence[T], *, model: str, key: RouteKey) -> Choice[T]:
+        ordered = sorted(candidates, key=lambda c: c.address)
+        chosen = next((c for c in ordered if c.address > self._last), ordered[0])
+        self._last = chosen.address
+        return Choice(chosen, "round_robin")
+
+
+class LeastLoad(Policy):
+    name = "least_load"
+
+    def choose(self, candidates: Sequence[T], *, model: str, key: RouteKey) -> Choice[T]:
+        if len(candidates) == 1:
+            return Choice(candidates[0], "only_candidate")
+        return Choice(candidates[self.least_loaded(candidates)], "least_load")
+
+
+class CacheAware(Policy):
+    name = "cache_aware"
+
+    def __init__(self, *, balance_abs_threshold: float, balance_rel_threshold: float, offload_discount: float,
+                 capacity: int = DEFAULT_CAPACITY, rng: random.Random | None = None) -> None:
+        super().__init__(rng)
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self.offload_discount = offload_discount
+        self.capacity = capacity
+        self._workers: dict[str, PrefixIndex] = {}
+        # One index per cache service, shared by every worker that offloads to it.
+        self._services: dict[str, PrefixIndex] = {}
+
+    def forget(self, address: str) -> None:
+        # A cache service's index stays: the service keeps its blocks when one of its workers goes.
+        self._workers.pop(address, None)
+
+    def imbalanced(self, loads: Sequence[float]) -> bool:
+        high, low = max(loads), min(loads)
+        return high - low > self.balance_abs_threshold and high > self.balance_rel_threshold * low
+
+    def choose(self, candidates: Sequence[T], *, model: str, key: RouteKey) -> Choice[T]:
+        hashes = chunk_hashes(tenant_of(model, key.cache_salt), key.prefix_text)
+        own = [self._worker_index(c.address).match(hashes) for c in candidates]
+        shared = [self._service_index(c.cache_group).match(hashes) if c.cache_group else 0 for c in candidates]
+        warm = [max(float(o), self.offload_discount * s) for o, s in zip(own, shared, strict=True)]
+        matches = [w / len(hashes) if hashes else 0.0 for w in warm]
+
+        if len(candidates) == 1:
+            index, reason = 0, "only_candidate"
+        elif self.imbalanced([c.load for c in candidates]):
+            index, reason = self.least_loaded(candidates), "balance"
+        else:
+            costs = [c.load - PREFIX_CREDIT_REQUESTS * m for c, m in zip(candidates, matches, strict=True)]
+            least = min(costs)
+            index = self.rng.choice([i for i, cost in enumerate(costs) if cost <= least + _TIE])
+            if warm[index] == 0:
+                reason = "least_load" if any(warm) else "no_match"
+            elif own[index] >= self.offload_discount * shared[index]:
+                reason = "prefix_match"
+            else:
+                reason = "shared_cache"
+
+        chosen = candidates[index]
+        self._worker_index(chosen.address).insert(hashes)
+        if chosen.cache_group:
+            self._service_index(chosen.cache_group).insert(hashes)
+        if hashes:
+            PREFIX_LOOKUP_CHUNKS.inc(len(hashes))
+            PREFIX_HIT_CHUNKS.labels("worker").inc(own[index])
+            PREFIX_HIT_CHUNKS.labels("shared_cache").inc(max(0, shared[index] - own[index]))
+        return Choice(chosen, reason, matches[index])
+
+    def _worker_index(self, address: str) -> PrefixIndex:
+        index = self._workers.get(address)
+        if index is None:
+            index = self._workers[address] = PrefixIndex(self.capacity)
+        return index
+
+    def _service_index(self, service: str) -> PrefixIndex:
+        index = self._services.get(service)
+        if index is None:
+            index = self._services[service] = PrefixIndex(self.capacity)
+        return index
+
+
+def make_policy(name: str, *, balance_abs_threshold: float = 16, balance_rel_threshold: float = 1.5,
+                offload_discount: float = 0.75, rng: random.Random | None = None) -> Policy:
+    if name == "round_robin":
+        return RoundRobin(rng)
+    if name == "least_load":
+        return LeastLoad(rng)
+    if name == "cache_aware":
+        return CacheAware(balance_abs_threshold=balance_abs_threshold,
+                          balance_rel_threshold=balance_rel_threshold, offload_discount=offload_discount, rng=rng)
+    raise ValueError(f"--routing {name!r} is not one of {', '.join(POLICIES)}")
