@@ -28,13 +28,15 @@ from .serving_completion import ServingCompletion
 from .serving_models import ServingModels
 from .serving_tokenization import ServingTokenization
 from .tls import TlsOptions
+from .tracing import install_tracing
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class GatewaySettings:
-    engines: list[str]
+    # Workers given by address (--engine); never leave the pool. With registry_url, more join by themselves.
+    engines: list[str] = field(default_factory=list)
     host: str = "127.0.0.1"
     port: int = 8000
     uvicorn_log_level: str = "info"
@@ -42,7 +44,17 @@ class GatewaySettings:
     return_tokens_as_token_ids: bool = False
     # Sent to the workers as gRPC metadata when they require a key.
     engine_api_key: str | None = None
-    health_interval: float = 1.0
+    # The fleet (args.ROUTING_FLAGS): discovery, routing, failover and traces.
+    routing: str = "cache_aware"
+    registry_url: str | None = None
+    health_interval: float = 0.5
+    max_retries: int = 2
+    retry_backoff: float = 0.05
+    max_migrations: int = 2
+    cache_aware_balance_abs_threshold: int = 16
+    cache_aware_balance_rel_threshold: float = 1.5
+    cache_aware_offload_discount: float = 0.75
+    otlp_traces_endpoint: str | None = None
     root_path: str = ""
     # Required of HTTP clients (`Authorization: Bearer KEY`) on every route but /health.
     api_key: str | None = None
@@ -75,7 +87,12 @@ async def _unexpected(_: Request, error: Exception) -> JSONResponse:
 
 def create_app(settings: GatewaySettings, pool: EnginePool | None = None) -> FastAPI:
     metadata = engine_metadata(settings.engine_api_key)
-    pool = pool or EnginePool(settings.engines, settings.health_interval, metadata)
+    pool = pool or EnginePool(
+        settings.engines, health_interval=settings.health_interval, metadata=metadata, routing=settings.routing,
+        registry_url=settings.registry_url, balance_abs_threshold=settings.cache_aware_balance_abs_threshold,
+        balance_rel_threshold=settings.cache_aware_balance_rel_threshold,
+        offload_discount=settings.cache_aware_offload_discount,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -89,7 +106,8 @@ def create_app(settings: GatewaySettings, pool: EnginePool | None = None) -> Fas
     app.state.settings = settings
     app.state.pool = pool
 
-    engines = EngineCalls(pool)
+    engines = EngineCalls(pool, max_retries=settings.max_retries, retry_backoff=settings.retry_backoff,
+                          max_migrations=settings.max_migrations)
     token_text = TokenText(as_token_ids=settings.return_tokens_as_token_ids)
     app.include_router(api_router(Servings(
         chat=ServingChat(engines, response_role=settings.response_role, token_text=token_text),
@@ -108,6 +126,7 @@ def create_app(settings: GatewaySettings, pool: EnginePool | None = None) -> Fas
                        allow_credentials=settings.allow_credentials, allow_methods=settings.allowed_methods,
                        allow_headers=settings.allowed_headers)
     app.add_middleware(MetricsMiddleware)
+    install_tracing(app, settings.otlp_traces_endpoint)
 
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)

@@ -1,18 +1,19 @@
-"""The engine's Generate stream to OpenAI response objects, whole or as stream chunks."""
+"""The engine's Generate messages to OpenAI response objects, whole or as stream chunks (the stream itself,
+with its retries and migrations, is failover.EngineStream)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
-
-import grpc
+from typing import TYPE_CHECKING, Any
 
 from taco_llm.protos import engine_pb2
 
-from .engine_pool import EngineClient
-from .errors import APIError, from_grpc
+from .errors import APIError
+
+if TYPE_CHECKING:
+    from .failover import EngineStream
 
 # JSON has no -inf; vLLM's server clamps to the same value.
 _LOGPROB_FLOOR = -9999.0
@@ -47,61 +48,6 @@ def delta_text(delta: engine_pb2.ChoiceDelta) -> str:
             return delta.parsed.raw_text
         case _:
             return ""
-
-
-class EngineStream:
-    """One Generate call, with the worker's load accounted and its errors as APIError.
-
-    `first()` waits for the stream's first message (`started`, sent once the engine has run the
-    prompt), so that every error the worker finds before generating (bad field, unknown model, prompt
-    too long) still becomes an HTTP status.
-    """
-
-    def __init__(self, client: EngineClient, request: engine_pb2.GenerateRequest,
-                 param_names: Mapping[str, str]):
-        self.client = client
-        self.model = request.model
-        self.param_names = param_names
-        self.call = client.stub.Generate(request, metadata=client.metadata)
-        self._pending: list[engine_pb2.GenerateResponse] = []
-        self._done = False
-        client.in_flight += 1
-
-    async def _read(self) -> engine_pb2.GenerateResponse | None:
-        try:
-            message = await self.call.read()
-        except grpc.aio.AioRpcError as error:
-            self.close()
-            raise from_grpc(error, self.param_names) from None
-        if message is grpc.aio.EOF:
-            self.close()
-            return None
-        return message  # type: ignore[no-any-return]
-
-    async def first(self) -> None:
-        while True:
-            message = await self._read()
-            if message is None:
-                return
-            self._pending.append(message)
-            if message.WhichOneof("phase") is not None:
-                return
-
-    async def messages(self) -> AsyncIterator[engine_pb2.GenerateResponse]:
-        try:
-            while self._pending:
-                yield self._pending.pop(0)
-            while (message := await self._read()) is not None:
-                yield message
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        """Ends the call; cancelling a running call aborts the request in the engine."""
-        if not self._done:
-            self._done = True
-            self.client.in_flight -= 1
-            self.call.cancel()
 
 
 @dataclass

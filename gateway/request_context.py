@@ -28,7 +28,7 @@ class RequestContext:
     """One request once its engine streams are open: the names its response carries, and its options."""
 
     request_id: str
-    # The name responses carry, which may differ from the one asked for (see serving.response_model_name).
+    # The name responses carry, which may differ from the one asked for (see failover.served_model_name).
     model: str
     created: int
     # Choices per prompt.

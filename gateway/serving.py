@@ -1,11 +1,11 @@
-"""What the serving objects share: calls to the workers, the response's model name, and the watch for
-a client that leaves before a non-streaming answer is ready."""
+"""What the serving objects share: calls to the workers, and the watch for a client that leaves before a
+non-streaming answer is ready."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Coroutine, Mapping
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -16,32 +16,32 @@ from taco_llm.protos import engine_pb2
 
 from .engine_pool import EngineClient, EnginePool
 from .errors import from_grpc
-from .from_engine import EngineStream
+from .failover import EngineStream, FailoverPolicy
 from .protocol import StreamOptions
+from .routing import RouteKey
 
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
 class EngineCalls:
-    """The workers; each call carries its worker's gRPC metadata (the workers' API key)."""
+    """The workers, and how a request survives their failures; each call carries its worker's gRPC
+    metadata (the workers' API key)."""
 
-    pool: EnginePool
+    def __init__(self, pool: EnginePool, *, max_retries: int = 2, retry_backoff: float = 0.05,
+                 max_migrations: int = 2) -> None:
+        self.pool = pool
+        self.policy = FailoverPolicy(max_retries=max_retries, retry_backoff=retry_backoff,
+                                     max_migrations=max_migrations)
 
-    async def generate(self, request: engine_pb2.GenerateRequest, param_names: Mapping[str, str]) -> EngineStream:
-        """Opens a Generate call on the least-busy worker of the model and waits for its first message,
-        so that what the worker refuses before generating is raised here, before any response head."""
-        client = self.pool.pick(request.model or None)
-        if not request.model:
-            assert client.info is not None
-            request.model = client.info.served_model_names[0]
-        stream = EngineStream(client, request, param_names)
-        try:
-            await stream.first()
-        except BaseException:
-            stream.close()
-            raise
-        return stream
+    async def generate(self, request: engine_pb2.GenerateRequest, param_names: Mapping[str, str],
+                       route_key: RouteKey, *, arrival: float | None = None) -> EngineStream:
+        """Opens a Generate call on the worker the pool routes it to and waits for its first message, so
+        that what the worker refuses before generating is raised here, before any response head; a
+        worker that fails before then is replaced by another (failover.py). `arrival`: when the request
+        arrived (time.perf_counter), for the time-to-first-token metric; default now."""
+        return await EngineStream.open(self.pool, self.policy, request, param_names=param_names,
+                                       route_key=route_key,
+                                       arrival=time.perf_counter() if arrival is None else arrival)
 
     async def tokenize(self, request: engine_pb2.TokenizeRequest,
                        param_names: Mapping[str, str]) -> engine_pb2.TokenizeResponse:
@@ -65,16 +65,6 @@ class EngineCalls:
 
 def engine_metadata(engine_api_key: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {engine_api_key}"),) if engine_api_key else ()
-
-
-def response_model_name(asked: str | None, stream: EngineStream) -> str:
-    # As vLLM's: responses carry the worker's first served name whichever of its names was asked for
-    # (--served-model-name A B); a LoRA adapter's name is carried as asked.
-    info = stream.client.info
-    assert info is not None
-    adapters = {a.name for a in info.lora_adapters}
-    base_names = [n for n in info.served_model_names if n not in adapters]
-    return asked if asked and asked not in base_names else base_names[0]
 
 
 def usage_options(options: StreamOptions | None) -> tuple[bool, bool]:

@@ -14,9 +14,9 @@ from taco_llm.protos import engine_pb2
 
 from . import sse, to_engine
 from .errors import APIError, bad_request
+from .failover import EngineStream
 from .from_engine import (
     ChoiceState,
-    EngineStream,
     TokenText,
     chat_logprobs,
     collect,
@@ -25,9 +25,10 @@ from .from_engine import (
     stop_reason,
     usage_json,
 )
-from .protocol import ChatCompletionRequest
+from .protocol import ChatCompletionRequest, ChatMessageParam
 from .request_context import OutputOptions, RequestContext
-from .serving import EngineCalls, response_model_name, unless_disconnected, usage_options
+from .routing import RouteKey
+from .serving import EngineCalls, unless_disconnected, usage_options
 
 
 class ServingChat:
@@ -40,14 +41,17 @@ class ServingChat:
 
     async def create(self, body: ChatCompletionRequest,
                      request: Request) -> StreamingResponse | JSONResponse | dict[str, Any]:
+        arrival = time.perf_counter()
         if body.echo:
             raise bad_request("echo is not supported for chat completions", "echo")
         request_id = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
         engine_request = to_engine.chat_request(body, request_id)
-        stream = await self.engines.generate(engine_request, to_engine.CHAT_PARAMS)
+        route_key = RouteKey(model=body.model, prefix_text=_prefix_text(body.messages),
+                             cache_salt=body.cache_salt or "")
+        stream = await self.engines.generate(engine_request, to_engine.CHAT_PARAMS, route_key, arrival=arrival)
         include_usage, continuous_usage = usage_options(body.stream_options)
         context = RequestContext(
-            request_id=request_id, model=response_model_name(body.model, stream), created=int(time.time()),
+            request_id=request_id, model=stream.model_name, created=int(time.time()),
             n=engine_request.sampling.n or 1,
             options=OutputOptions(include_usage=include_usage, continuous_usage=continuous_usage,
                                   logprobs=bool(body.logprobs), return_token_ids=bool(body.return_token_ids),
@@ -139,6 +143,19 @@ class ServingChat:
             **({"stop_reason": stop_reason(delta)} if delta.finish_reason else {}),
             **({"token_ids": list(delta.token_ids)} if context.options.return_token_ids else {}),
         }
+
+
+def _prefix_text(messages: list[ChatMessageParam]) -> str:
+    """What cache-aware routing matches a chat on: each message's role and text, in order. The template
+    renders them in this order, so two chats that share their first messages share a prefix here too."""
+    parts: list[str] = []
+    for m in messages:
+        parts.append(m.role)
+        if isinstance(m.content, str):
+            parts.append(m.content)
+        elif m.content is not None:
+            parts.extend(p.text or "" for p in m.content)
+    return "\n".join(parts)
 
 
 def _tool_call(call: engine_pb2.ToolCall) -> dict[str, Any]:

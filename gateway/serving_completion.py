@@ -16,9 +16,9 @@ from taco_llm.protos import engine_pb2
 
 from . import sse, to_engine
 from .errors import APIError, bad_request
+from .failover import EngineStream
 from .from_engine import (
     ChoiceState,
-    EngineStream,
     TokenText,
     add_usage,
     collect,
@@ -28,7 +28,8 @@ from .from_engine import (
 )
 from .protocol import CompletionRequest
 from .request_context import OutputOptions, RequestContext
-from .serving import EngineCalls, response_model_name, unless_disconnected, usage_options
+from .routing import RouteKey
+from .serving import EngineCalls, unless_disconnected, usage_options
 
 
 @dataclass(frozen=True)
@@ -48,13 +49,14 @@ class ServingCompletion:
 
     async def create(self, body: CompletionRequest,
                      request: Request) -> StreamingResponse | JSONResponse | dict[str, Any]:
+        arrival = time.perf_counter()
         if body.echo and body.logprobs is not None:
             raise bad_request("echo together with logprobs is not supported", "echo")
         request_id = f"cmpl-{body.request_id or uuid.uuid4().hex}"
-        batch = await self._open(body, request_id)
+        batch = await self._open(body, request_id, arrival)
         include_usage, _ = usage_options(body.stream_options)
         context = RequestContext(
-            request_id=request_id, model=response_model_name(body.model, batch[0].stream), created=int(time.time()),
+            request_id=request_id, model=batch[0].stream.model_name, created=int(time.time()),
             n=body.n or 1,
             options=OutputOptions(include_usage=include_usage, logprobs=body.logprobs is not None,
                                   return_token_ids=bool(body.return_token_ids),
@@ -64,7 +66,7 @@ class ServingCompletion:
             return StreamingResponse(self._chunks(context, batch), media_type="text/event-stream")
         return await unless_disconnected(request, self._whole(context, batch))
 
-    async def _open(self, body: CompletionRequest, request_id: str) -> list[OpenPrompt]:
+    async def _open(self, body: CompletionRequest, request_id: str, arrival: float) -> list[OpenPrompt]:
         """Opens every prompt's stream at once, with its echo. If a stream or an echo is refused (an
         out-of-vocabulary token id, say), every stream opened is closed: their engine requests would
         run on, and the worker would look busier than it is."""
@@ -74,7 +76,8 @@ class ServingCompletion:
             for i, p in enumerate(prompts)
         ]
         opened = await asyncio.gather(
-            *(self.engines.generate(r, to_engine.COMPLETION_PARAMS) for r in engine_requests),
+            *(self.engines.generate(r, to_engine.COMPLETION_PARAMS, _route_key(body, p), arrival=arrival)
+              for r, p in zip(engine_requests, prompts, strict=True)),
             return_exceptions=True,
         )
         streams = [s for s in opened if isinstance(s, EngineStream)]
@@ -97,7 +100,13 @@ class ServingCompletion:
 
     async def _whole(self, context: RequestContext, batch: list[OpenPrompt]) -> dict[str, Any]:
         options = context.options
-        results = await asyncio.gather(*(collect(p.stream, context.n) for p in batch))
+        try:
+            results = await asyncio.gather(*(collect(p.stream, context.n) for p in batch))
+        except BaseException:
+            # One prompt failed: the others' engine requests would run on for an answer nobody gets.
+            for prompt in batch:
+                prompt.stream.close()
+            raise
         choices: list[dict[str, Any]] = []
         usage: dict[str, Any] | None = None
         for prompt_index, (prompt, result) in enumerate(zip(batch, results, strict=True)):
@@ -155,8 +164,10 @@ class ServingCompletion:
                     running -= 1
                     continue
                 if isinstance(item, APIError):
+                    # As vLLM's server ends a stream that failed midway; `finally` stops the other prompts.
                     yield sse.error_event(item)
-                    continue
+                    yield sse.DONE
+                    return
                 match item.WhichOneof("phase"):
                     case "finished":
                         usage = add_usage(usage, usage_json(item.finished.usage))
@@ -184,3 +195,9 @@ class ServingCompletion:
                 task.cancel()
             for prompt in batch:
                 prompt.stream.close()
+
+
+def _route_key(body: CompletionRequest, prompt: str | list[int]) -> RouteKey:
+    # Token ids as text: prompts that share leading ids share a leading string, which is all routing needs.
+    text = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
+    return RouteKey(model=body.model, prefix_text=text, cache_salt=body.cache_salt or "")

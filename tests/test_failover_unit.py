@@ -1,0 +1,359 @@
+"""Retries before the first token, stream migration, and the per-request metrics and traces, through the
+real gateway app against small in-process fake engines (no vLLM)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from opentelemetry.instrumentation.grpc import GrpcAioInstrumentorClient
+
+from taco_llm.gateway.app import GatewaySettings, create_app
+from taco_llm.gateway.engine_pool import EngineClient, EnginePool
+from taco_llm.gateway.failover import FailoverPolicy, is_worker_fault
+from taco_llm.gateway.metrics import REGISTRY
+from taco_llm.protos import engine_pb2, engine_pb2_grpc, rich_status
+from taco_llm.protos.engine_limits import ENGINE_SERVICE
+from taco_llm.protos.rich_status import Reason
+
+from .otlp_receiver import OtlpReceiver
+from .support import free_port
+
+MODEL = "fake-model"
+PROMPT_IDS = [1, 2, 3]
+DEFAULT_MAX_TOKENS = 8
+
+
+def token_text(position: int) -> str:
+    """The fake model's output depends on the position only, so a continuation is checkable."""
+    return f"t{position} "
+
+
+def token_id(position: int) -> int:
+    return 100 + position
+
+
+@dataclass
+class Behaviour:
+    # Abort with UNAVAILABLE before `started`.
+    fail_before_start: bool = False
+    # Refuse with INVALID_ARGUMENT (rich status, field `temperature`) before `started`.
+    refuse: bool = False
+    # Abort with UNAVAILABLE (reason ENGINE_DEAD) after sending this many tokens.
+    die_after: int | None = None
+    # Abort with UNAVAILABLE after the last delta, instead of sending `finished`.
+    die_before_finished: bool = False
+
+
+@dataclass
+class FakeEngine(engine_pb2_grpc.EngineServicer):
+    behaviour: Behaviour = field(default_factory=Behaviour)
+    requests: list[engine_pb2.GenerateRequest] = field(default_factory=list)
+    metadata: list[dict[str, str]] = field(default_factory=list)
+
+    async def Generate(self, request: engine_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        self.requests.append(engine_pb2.GenerateRequest.FromString(request.SerializeToString()))
+        self.metadata.append({k: str(v) for k, v in context.invocation_metadata() or ()})
+        b = self.behaviour
+        if b.fail_before_start:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the fake engine is down")
+        if b.refuse:
+            await rich_status.invalid_argument(context, "temperature must be at least 0", "temperature")
+        resumed = list(request.resume.output_token_ids)
+        # The contract: resume holds the choice's tokens already sent, in order.
+        assert resumed == [token_id(i) for i in range(len(resumed))], resumed
+        n = request.sampling.n or 1
+        max_tokens = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+        yield engine_pb2.GenerateResponse(request_id=request.request_id,
+                                          started=engine_pb2.Started(prompt_token_ids=PROMPT_IDS))
+        for sent, position in enumerate(range(len(resumed), max_tokens)):
+            if b.die_after is not None and sent == b.die_after:
+                await rich_status.abort(context, grpc.StatusCode.UNAVAILABLE, "the engine died", Reason.ENGINE_DEAD)
+            last = position == max_tokens - 1
+            yield engine_pb2.GenerateResponse(request_id=request.request_id, delta=engine_pb2.Delta(choices=[
+                engine_pb2.ChoiceDelta(
+                    index=i, text=token_text(position), token_ids=[token_id(position)],
+                    finish_reason=engine_pb2.FINISH_REASON_LENGTH if last else engine_pb2.FINISH_REASON_UNSPECIFIED)
+                for i in range(n)]))
+        if b.die_before_finished:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine died")
+        yield engine_pb2.GenerateResponse(request_id=request.request_id, finished=engine_pb2.Finished(
+            usage=engine_pb2.Usage(prompt_tokens=len(PROMPT_IDS), completion_tokens=max_tokens * n)))
+
+    async def GetModelInfo(self, request: engine_pb2.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> engine_pb2.ModelInfo:
+        return engine_pb2.ModelInfo(served_model_names=[MODEL], max_model_len=2048, vocab_size=1000)
+
+    async def GetLoad(self, request: engine_pb2.GetLoadRequest, context: grpc.aio.ServicerContext) -> engine_pb2.Load:
+        return engine_pb2.Load()
+
+
+@contextlib.asynccontextmanager
+async def fake_engines(*behaviours: Behaviour) -> AsyncIterator[list[tuple[str, FakeEngine]]]:
+    """One grpc.aio server per behaviour, listed by address in the order round_robin visits them."""
+    servers, engines = [], []
+    for _ in behaviours:
+        server = grpc.aio.server()
+        engine = FakeEngine()
+        engine_pb2_grpc.add_EngineServicer_to_server(engine, server)
+        checks = health.aio.HealthServicer()
+        await checks.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(checks, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        servers.append(server)
+        engines.append((f"127.0.0.1:{port}", engine))
+    # round_robin goes by address: the behaviours are handed out in that order.
+    ordered = sorted(engines, key=lambda pair: pair[0])
+    for (_, engine), behaviour in zip(ordered, behaviours, strict=True):
+        engine.behaviour = behaviour
+    try:
+        yield ordered
+    finally:
+        for server in servers:
+            await server.stop(grace=None)
+
+
+@dataclass
+class Outcomes:
+    """What the pool's breakers were fed."""
+
+    fed: list[tuple[str, bool]] = field(default_factory=list)
+
+
+@contextlib.asynccontextmanager
+async def gateway(engines: list[tuple[str, FakeEngine]],
+                  **settings: Any) -> AsyncIterator[tuple[httpx.AsyncClient, Outcomes]]:
+    addresses = [a for a, _ in engines]
+    pool = EnginePool(addresses, health_interval=0.2, routing="round_robin")
+    outcomes = Outcomes()
+    record = pool.record_outcome
+
+    def recording(client: EngineClient, *, worker_fault: bool) -> None:
+        outcomes.fed.append((client.address, worker_fault))
+        record(client, worker_fault=worker_fault)
+
+    pool.record_outcome = recording  # type: ignore[method-assign]
+    app = create_app(GatewaySettings(engines=addresses, routing="round_robin", retry_backoff=0.001, **settings),
+                     pool)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway", timeout=30) as client:
+            yield client, outcomes
+
+
+def counter(name: str, labels: dict[str, str]) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def sse_events(raw: str) -> list[Any]:
+    events = [e.removeprefix("data: ") for e in raw.split("\n\n") if e]
+    return [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
+def chat_body(**extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+def streamed_text(events: list[Any]) -> str:
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in events
+                   if isinstance(c, dict) and c.get("choices"))
+
+
+EXPECTED_TEXT = "".join(token_text(i) for i in range(DEFAULT_MAX_TOKENS))
+
+
+# --- classification, without a server ------------------------------------------------------------
+
+def _rpc_error(code: grpc.StatusCode, reason: int | None = None) -> grpc.aio.AioRpcError:
+    trailing = grpc.aio.Metadata()
+    if reason is not None:
+        rich = rich_status.status(code, "x", reason)
+        trailing = grpc.aio.Metadata(*rich.trailing_metadata)
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details="x")
+
+
+@pytest.mark.parametrize(("code", "worker"), [
+    (grpc.StatusCode.UNAVAILABLE, True), (grpc.StatusCode.INTERNAL, True), (grpc.StatusCode.UNKNOWN, True),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, True), (grpc.StatusCode.CANCELLED, True),
+    (grpc.StatusCode.INVALID_ARGUMENT, False), (grpc.StatusCode.NOT_FOUND, False),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, False), (grpc.StatusCode.ALREADY_EXISTS, False),
+    (grpc.StatusCode.FAILED_PRECONDITION, False), (grpc.StatusCode.OUT_OF_RANGE, False),
+    (grpc.StatusCode.UNAUTHENTICATED, False),
+])
+def test_faults_are_told_apart_by_code(code: grpc.StatusCode, worker: bool) -> None:
+    assert is_worker_fault(_rpc_error(code)) is worker
+
+
+def test_a_draining_worker_is_a_worker_fault_by_reason() -> None:
+    assert is_worker_fault(_rpc_error(grpc.StatusCode.FAILED_PRECONDITION, Reason.WORKER_DRAINING))
+    assert not is_worker_fault(_rpc_error(grpc.StatusCode.INVALID_ARGUMENT, Reason.FIELD_INVALID))
+
+
+def test_backoff_doubles_with_jitter_and_flags_are_checked() -> None:
+    policy = FailoverPolicy(retry_backoff=0.1)
+    for attempt in range(4):
+        assert 0.05 * 2 ** attempt <= policy.backoff(attempt) <= 0.1 * 2 ** attempt
+    with pytest.raises(ValueError, match="--max-retries"):
+        FailoverPolicy(max_retries=-1)
+
+
+# --- through the app -------------------------------------------------------------------------------
+
+async def test_a_worker_that_fails_before_the_first_token_is_retried_on_another() -> None:
+    before = counter("taco_llm_router_retries_total", {"code": "UNAVAILABLE"})
+    async with fake_engines(Behaviour(fail_before_start=True), Behaviour()) as engines, \
+            gateway(engines) as (client, outcomes):
+        reply = await client.post("/v1/chat/completions", json=chat_body())
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["message"]["content"] == EXPECTED_TEXT
+        (bad, bad_engine), (good, good_engine) = engines
+        assert len(bad_engine.requests) == 1 and len(good_engine.requests) == 1
+        assert outcomes.fed == [(bad, True), (good, False)]
+    assert counter("taco_llm_router_retries_total", {"code": "UNAVAILABLE"}) == before + 1
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_stream_whose_worker_dies_continues_on_another(stream: bool) -> None:
+    before = counter("taco_llm_router_migrations_total", {"outcome": "resumed"})
+    async with fake_engines(Behaviour(die_after=5), Behaviour()) as engines, \
+            gateway(engines) as (client, outcomes):
+        body = chat_body(stream=stream, logprobs=False, stream_options={"include_usage": True} if stream else None)
+        reply = await client.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        (dead, _), (_, alive_engine) = engines
+        resume = alive_engine.requests[0].resume
+        assert list(resume.output_token_ids) == [token_id(i) for i in range(5)]
+        assert alive_engine.requests[0].request_id.startswith("chatcmpl-")
+        if stream:
+            events = sse_events(reply.text)
+            assert events[-1] == "[DONE]" and not any("error" in e for e in events if isinstance(e, dict))
+            assert streamed_text(events) == EXPECTED_TEXT, "no token lost or repeated"
+            usage = events[-2]["usage"]
+        else:
+            assert reply.json()["choices"][0]["message"]["content"] == EXPECTED_TEXT
+            usage = reply.json()["usage"]
+        assert usage["completion_tokens"] == DEFAULT_MAX_TOKENS and usage["prompt_tokens"] == len(PROMPT_IDS)
+        assert (dead, True) in outcomes.fed
+    assert counter("taco_llm_router_migrations_total", {"outcome": "resumed"}) == before + 1
+
+
+async def test_a_worker_lost_after_every_choice_finished_is_not_resumed() -> None:
+    async with fake_engines(Behaviour(die_before_finished=True), Behaviour()) as engines, \
+            gateway(engines) as (client, _):
+        body = chat_body(stream=True, n=2, stream_options={"include_usage": True})
+        reply = await client.post("/v1/chat/completions", json=body)
+        events = sse_events(reply.text)
+        assert events[-1] == "[DONE]" and not any("error" in e for e in events if isinstance(e, dict))
+        assert events[-2]["usage"]["completion_tokens"] == 2 * DEFAULT_MAX_TOKENS
+        assert events[-2]["usage"]["prompt_tokens"] == len(PROMPT_IDS)
+        assert not engines[1][1].requests, "a finished choice is not continued"
+
+
+async def test_a_refusal_is_the_clients_answer_and_no_fault_of_the_worker() -> None:
+    retries = sum(counter("taco_llm_router_retries_total", {"code": c}) for c in ("INVALID_ARGUMENT", "UNAVAILABLE"))
+    async with fake_engines(Behaviour(refuse=True), Behaviour()) as engines, \
+            gateway(engines) as (client, outcomes):
+        reply = await client.post("/v1/chat/completions", json=chat_body(stream=True))
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"]["param"] == "temperature"
+        (refusing, _), (_, other) = engines
+        assert not other.requests, "a client's fault is not retried"
+        assert outcomes.fed == [(refusing, False)]
+    assert sum(counter("taco_llm_router_retries_total", {"code": c})
+               for c in ("INVALID_ARGUMENT", "UNAVAILABLE")) == retries
+
+
+async def test_no_worker_left_before_the_first_token_is_a_503_with_retry_after() -> None:
+    async with fake_engines(Behaviour(fail_before_start=True), Behaviour(fail_before_start=True)) as engines, \
+            gateway(engines, max_retries=5) as (client, _):
+        reply = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+        assert reply.status_code == 503, reply.text
+        assert int(reply.headers["retry-after"]) >= 1
+
+
+async def test_every_worker_dying_mid_stream_ends_with_an_error_event() -> None:
+    before = counter("taco_llm_router_migrations_total", {"outcome": "failed"})
+    async with fake_engines(Behaviour(die_after=3), Behaviour(die_after=2)) as engines, \
+            gateway(engines) as (client, _):
+        reply = await client.post("/v1/chat/completions", json=chat_body(stream=True))
+        assert reply.status_code == 200
+        events = sse_events(reply.text)
+        assert events[-1] == "[DONE]" and "error" in events[-2], events[-2:]
+        assert events[-2]["error"]["code"] in ("no_engine_ready", "engine_failed")
+        # What was sent before the failure is whole: no repeats from the continuation that also died.
+        assert streamed_text(events) == "".join(token_text(i) for i in range(5))
+    assert counter("taco_llm_router_migrations_total", {"outcome": "failed"}) == before + 1
+
+
+async def test_a_completion_stream_ends_with_an_error_event_too() -> None:
+    async with fake_engines(Behaviour(die_after=3)) as engines, gateway(engines) as (client, _):
+        reply = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True})
+        events = sse_events(reply.text)
+        assert events[-1] == "[DONE]" and "error" in events[-2], events[-2:]
+        assert "".join(e["choices"][0]["text"] for e in events[:-2]) == "".join(token_text(i) for i in range(3))
+
+
+async def test_n_above_one_is_not_resumed_mid_stream() -> None:
+    before = counter("taco_llm_router_migrations_total", {"outcome": "not_resumable"})
+    async with fake_engines(Behaviour(die_after=2), Behaviour()) as engines, gateway(engines) as (client, _):
+        reply = await client.post("/v1/chat/completions", json=chat_body(stream=True, n=2))
+        events = sse_events(reply.text)
+        assert events[-1] == "[DONE]" and "error" in events[-2], events[-2:]
+        assert not engines[1][1].requests, "nothing was resubmitted"
+    assert counter("taco_llm_router_migrations_total", {"outcome": "not_resumable"}) == before + 1
+
+
+async def test_request_metrics_carry_the_response_model_name() -> None:
+    def sample(name: str, **labels: str) -> float:
+        return counter(name, {"model_name": MODEL, **labels})
+
+    before = {"ttft": sample("vllm:time_to_first_token_seconds_count"),
+              "itl": sample("vllm:inter_token_latency_seconds_count"),
+              "e2e": sample("vllm:e2e_request_latency_seconds_count"),
+              "gen": sample("vllm:generation_tokens_total"), "prompt": sample("vllm:prompt_tokens_total"),
+              "ok": sample("vllm:request_success_total", finished_reason="length")}
+    async with fake_engines(Behaviour()) as engines, gateway(engines) as (client, _):
+        reply = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True,
+                                                            "max_tokens": DEFAULT_MAX_TOKENS})
+        assert reply.status_code == 200
+    assert sample("vllm:time_to_first_token_seconds_count") == before["ttft"] + 1
+    assert sample("vllm:inter_token_latency_seconds_count") == before["itl"] + DEFAULT_MAX_TOKENS - 1
+    assert sample("vllm:e2e_request_latency_seconds_count") == before["e2e"] + 1
+    assert sample("vllm:generation_tokens_total") == before["gen"] + DEFAULT_MAX_TOKENS
+    assert sample("vllm:prompt_tokens_total") == before["prompt"] + len(PROMPT_IDS)
+    assert sample("vllm:request_success_total", finished_reason="length") == before["ok"] + 1
+
+
+async def test_traces_carry_the_routing_and_reach_the_worker() -> None:
+    receiver = OtlpReceiver(free_port())
+    receiver.start()
+    try:
+        async with fake_engines(Behaviour(fail_before_start=True), Behaviour()) as engines:
+            async with gateway(engines, otlp_traces_endpoint=receiver.endpoint) as (client, _):
+                reply = await client.post("/v1/chat/completions", json=chat_body())
+                assert reply.status_code == 200, reply.text
+            # The app's lifespan has ended: its spans were flushed.
+            (good, good_engine) = engines[1]
+            traceparent = good_engine.metadata[0]["traceparent"]
+            spans = list(receiver.spans())
+            routed = [s for s in spans if s.service == "taco-llm-gateway" and "taco_llm.retries" in s.attributes]
+            assert len(routed) == 1, spans
+            attributes = routed[0].attributes
+            assert attributes["taco_llm.retries"] == 1 and attributes["taco_llm.migrations"] == 0
+            assert attributes["taco_llm.worker.address"] == good
+            assert attributes["taco_llm.routing.policy"] == "round_robin"
+            # W3C traceparent: version-traceid-spanid-flags; the worker joins the request's trace.
+            assert traceparent.split("-")[1] == routed[0].trace_id
+            assert any(s.name.endswith("/Generate") and s.trace_id == routed[0].trace_id for s in spans)
+    finally:
+        receiver.stop()
+        GrpcAioInstrumentorClient().uninstrument()
