@@ -12,7 +12,7 @@ States and invariant:
   slot after `trial_timeout`, so the breaker cannot stay shut forever.
 `base_cooldown <= cooldown <= max_cooldown` always holds.
 
-Only worker faults are fed in as failures: the caller decides what a fault is (worker_fault_code), and
+Only worker faults are fed in as failures: the caller decides what a fault is (failover.is_worker_fault), and
 a client's bad input must never count, or a flood of bad requests would open every breaker of a fleet.
 """
 
@@ -22,31 +22,10 @@ import enum
 import math
 from dataclasses import dataclass
 
-import grpc
-
 DEFAULT_THRESHOLD = 3
 DEFAULT_BASE_COOLDOWN = 5.0
 DEFAULT_MAX_COOLDOWN = 60.0
 DEFAULT_TRIAL_TIMEOUT = 30.0
-
-# Statuses that say the worker (or the path to it) failed, whatever the request was. Every other code
-# (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED for a prompt too long, ALREADY_EXISTS,
-# UNAUTHENTICATED, FAILED_PRECONDITION, OUT_OF_RANGE, CANCELLED by the client...) is about the request.
-WORKER_FAULT_CODES = frozenset({
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.DATA_LOSS,
-    grpc.StatusCode.UNIMPLEMENTED,
-})
-
-
-def worker_fault_code(code: grpc.StatusCode) -> bool:
-    """Whether a call that ended with this status should count against its worker's breaker.
-    (A stream that ends without `finished` is a worker fault too; its caller knows that, not the code.)"""
-    return code in WORKER_FAULT_CODES
-
 
 class BreakerState(enum.IntEnum):
     # The values are CIRCUIT_STATE's: 0 closed, 1 half-open, 2 open.

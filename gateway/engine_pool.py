@@ -363,7 +363,7 @@ class EnginePool:
 
     def record_outcome(self, client: EngineClient, *, worker_fault: bool) -> None:
         """How a routed request went, for the worker's breaker: `worker_fault` for a fault of the worker
-        (circuit_breaker.worker_fault_code, or a stream that ended without `finished`), never for a
+        (failover.is_worker_fault, or a stream that ended without `finished`), never for a
         refusal of the client's input. Call it once per route(), when the outcome is known."""
         now = self.clock()
         before = client.breaker.state(now)

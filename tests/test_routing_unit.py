@@ -10,9 +10,10 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from taco_llm.gateway.circuit_breaker import BreakerState, CircuitBreaker, worker_fault_code
+from taco_llm.gateway.circuit_breaker import BreakerState, CircuitBreaker
 from taco_llm.gateway.engine_pool import EngineClient, EnginePool
 from taco_llm.gateway.errors import APIError
+from taco_llm.gateway.failover import is_worker_fault
 from taco_llm.gateway.metrics import REGISTRY
 from taco_llm.gateway.prefix_index import CHUNK_CHARS, PrefixIndex, chunk_hashes
 from taco_llm.gateway.routing import CacheAware, LeastLoad, RoundRobin, RouteKey, make_policy
@@ -56,14 +57,18 @@ def test_prefix_index_matches_leading_chunks_and_evicts_tails_first() -> None:
 
 CLIENT_FAULTS = [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED,
                  grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.UNAUTHENTICATED,
-                 grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.CANCELLED]
+                 grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE]
 WORKER_FAULTS = [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL,
                  grpc.StatusCode.UNKNOWN]
 
 
+def _refusal(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="refused")
+
+
 def test_fault_classification() -> None:
-    assert all(worker_fault_code(code) for code in WORKER_FAULTS)
-    assert not any(worker_fault_code(code) for code in CLIENT_FAULTS)
+    assert all(is_worker_fault(_refusal(code)) for code in WORKER_FAULTS)
+    assert not any(is_worker_fault(_refusal(code)) for code in CLIENT_FAULTS)
 
 
 def test_breaker_opens_after_consecutive_faults_then_half_opens() -> None:
@@ -101,7 +106,7 @@ def test_client_faults_never_open_a_breaker() -> None:
     pool, (a, _) = _pool(["a:1", "b:1"])
     for _ in range(20):
         for code in CLIENT_FAULTS:
-            pool.record_outcome(a, worker_fault=worker_fault_code(code))
+            pool.record_outcome(a, worker_fault=is_worker_fault(_refusal(code)))
     assert a.breaker.state(pool.clock()) is BreakerState.CLOSED
 
 
