@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .serve_args import ServeArgs
+    from .supervisor import ChildSpec
 
 USAGE = """usage: taco_llm <command> [options]
 
@@ -20,36 +26,73 @@ commands:
 def serve(argv: Sequence[str]) -> int:
     from taco_llm.gateway.__main__ import parse as check_gateway_args
 
-    from .serve_args import ServeArgsError, parse
-    from .supervisor import probe_host, probe_ssl_context
+    from .serve_args import ServeArgsError, parse, worker_devices
+    from .supervisor import STOP_GRACE_SECONDS, gateway_model, probe_host, probe_ssl_context
     from .supervisor import serve as run
 
     try:
         args = parse(argv)
+        devices, device_warnings = worker_devices(args)
     except ServeArgsError as error:
         for line in str(error).splitlines():
             print(f"taco_llm serve: error: {line}", file=sys.stderr)
         return 2
-    for warning in args.warnings:
+    for warning in [*args.warnings, *device_warnings]:
         print(f"taco_llm serve: warning: {warning}", file=sys.stderr)
-    engine_address = f"{probe_host(args.grpc_host)}:{args.grpc_port}"
-    gateway_argv = ["--engine", engine_address, *args.gateway_argv]
-    check_gateway_args(gateway_argv)  # refuses a bad gateway flag now, before the engine starts
-    worker_argv = [*args.worker_argv, "--grpc-host", args.grpc_host, "--grpc-port", str(args.grpc_port)]
+    check_gateway_args(gateway_argv(args))  # refuses a bad gateway flag now, before any engine starts
+    specs = child_specs(args, devices)
     scheme = "https" if args.ssl_certfile else "http"
     base_url = f"{scheme}://{probe_host(args.host)}:{args.port}"
     # The gateway has checked the files (check_gateway_args), so this loads them without surprises.
     context = probe_ssl_context(args.ssl_certfile, args.ssl_keyfile) if args.ssl_certfile else None
-    cache_argv = None
+    return run(specs, gateway_ready=lambda: gateway_model(base_url, args.api_key, context), base_url=base_url,
+               ready_timeout=args.ready_timeout, stop_grace=args.shutdown_timeout + STOP_GRACE_SECONDS)
+
+
+def child_specs(args: ServeArgs, devices: list[str] | None) -> list[ChildSpec]:
+    """serve's processes: the cache service (when one is needed), the workers, the gateway. devices: each
+    worker's CUDA_VISIBLE_DEVICES, or None to leave the environment as it is."""
+    from .supervisor import ChildSpec, probe_host
+
+    python = sys.executable
+    specs: list[ChildSpec] = []
+    shared: list[str] = []
     if args.cache_service_argv is not None:
         from taco_llm.cache_service.config import parse as check_cache_service_args
 
         cache_argv = ["--grpc-host", "127.0.0.1", "--grpc-port", str(args.cache_service_port),
                       *args.cache_service_argv]
         check_cache_service_args(cache_argv)  # a bad value is refused now, naming its flag
-        worker_argv += ["--cache-service", f"127.0.0.1:{args.cache_service_port}"]
-    return run(worker_argv, gateway_argv, base_url, args.ready_timeout, args.api_key, context, cache_argv,
-               single_process=args.single_process)
+        # First, and stopped last: the workers reconnect to it with backoff meanwhile.
+        specs.append(ChildSpec("cache service", "cache", [python, "-m", "taco_llm.cache_service", *cache_argv]))
+        shared = ["--cache-service", f"127.0.0.1:{args.cache_service_port}"]
+    workers: list[list[str]] = []
+    for i in range(args.num_workers):
+        argv = [*args.worker_argv, "--grpc-host", args.grpc_host, "--grpc-port", str(args.grpc_port + i), *shared]
+        if args.metrics_port is not None:
+            argv += ["--metrics-port", str(args.metrics_port + i)]
+        workers.append(argv)
+    if args.single_process:
+        one = json.dumps({"worker": workers[0], "gateway": gateway_argv(args)})
+        specs.append(ChildSpec("engine worker and gateway", "gateway", [python, "-m", "taco_llm.single_process", one]))
+        return specs
+    for i, argv in enumerate(workers):
+        name = "engine worker" if args.num_workers == 1 else f"engine worker {i}"
+        env = {"CUDA_VISIBLE_DEVICES": devices[i]} if devices is not None else {}
+        specs.append(ChildSpec(name, "worker", [python, "-m", "taco_llm.engine_worker", *argv], env=env,
+                               health_address=f"{probe_host(args.grpc_host)}:{args.grpc_port + i}"))
+    specs.append(ChildSpec("gateway", "gateway", [python, "-m", "taco_llm.gateway", *gateway_argv(args)]))
+    return specs
+
+
+def gateway_argv(args: ServeArgs) -> list[str]:
+    """The gateway's flags: one --engine per worker (it health-checks them, so a restarted worker rejoins),
+    then the gateway flags serve was given."""
+    from .supervisor import probe_host
+
+    host = probe_host(args.grpc_host)
+    engines = [item for i in range(args.num_workers) for item in ("--engine", f"{host}:{args.grpc_port + i}")]
+    return [*engines, *args.gateway_argv]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

