@@ -162,7 +162,12 @@ class CacheAware(Policy):
         else:
             costs = [c.load - PREFIX_CREDIT_REQUESTS * m for c, m in zip(candidates, matches, strict=True)]
             least = min(costs)
-            index = self.rng.choice([i for i, cost in enumerate(costs) if cost <= least + _TIE])
+            tied = [i for i, cost in enumerate(costs) if cost <= least + _TIE]
+            # Among equals, the worker believed to hold the least (as SGLang sends a prefix no worker
+            # has to its smallest tree): new prefixes spread over the fleet's caches instead of piling
+            # onto one worker until the balance rule notices.
+            smallest = min(len(self._worker_index(candidates[i].address)) for i in tied)
+            index = self.rng.choice([i for i in tied if len(self._worker_index(candidates[i].address)) == smallest])
             if warm[index] == 0:
                 reason = "least_load" if any(warm) else "no_match"
             elif own[index] >= self.offload_discount * shared[index]:

@@ -149,6 +149,17 @@ def test_repeated_prefixes_stick_and_distinct_ones_spread() -> None:
     assert sorted(chosen.values()) == [3, 3, 3, 3], chosen
 
 
+def test_new_prefixes_go_to_the_worker_holding_least_when_loads_tie() -> None:
+    policy = _cache_aware()
+    workers = [Worker("a:1"), Worker("b:1")]
+    homes = []
+    for i in range(6):
+        worker, reason, _ = _send(policy, workers, _text(f"topic{i}", 8))
+        worker.load = 0  # one request at a time: the fleet is idle again before the next
+        homes.append(worker.address)
+    assert Counter(homes) == {"a:1": 3, "b:1": 3}, homes
+
+
 def test_skew_spills_to_the_idle_worker() -> None:
     policy = _cache_aware()
     busy, idle = Worker("a:1"), Worker("b:1")
