@@ -1,0 +1,98 @@
+"""The bench tools run: the synthetic engine speaks the Engine contract, and the gateway relay bench
+writes its report. No timings are asserted (these machines are shared and noisy)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from taco_llm.protos import engine_pb2, engine_pb2_grpc
+from taco_llm.protos.engine_limits import ENGINE_SERVICE
+
+from .support import ROOT, free_port
+
+BENCH = ROOT / "bench"
+
+
+@pytest.fixture(scope="module")
+def synthetic_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    log = tmp_path_factory.mktemp("synthetic") / "engine.log"
+    with log.open("wb") as handle:
+        process = subprocess.Popen([sys.executable, str(BENCH / "synthetic_engine.py"), "--port", str(port)],
+                                   stdout=handle, stderr=subprocess.STDOUT, cwd=ROOT)
+    address = f"127.0.0.1:{port}"
+    try:
+        with grpc.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            deadline = time.monotonic() + 20
+            while True:
+                assert process.poll() is None, log.read_text()
+                try:
+                    reply = health.Check(health_pb2.HealthCheckRequest(service=ENGINE_SERVICE), timeout=1)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        break
+                except grpc.RpcError:
+                    pass
+                assert time.monotonic() < deadline, f"the synthetic engine did not serve:\n{log.read_text()}"
+                time.sleep(0.2)
+        yield address
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def test_the_synthetic_engine_streams_the_asked_tokens(synthetic_engine: str) -> None:
+    with grpc.insecure_channel(synthetic_engine) as channel:
+        stub = engine_pb2_grpc.EngineStub(channel)
+        info = stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=5)
+        request = engine_pb2.GenerateRequest(request_id="smoke", model=info.served_model_names[0], text="a b c",
+                                             sampling=engine_pb2.SamplingParams(max_tokens=7))
+        messages = list(stub.Generate(request, timeout=10))
+    phases = [m.WhichOneof("phase") for m in messages]
+    assert phases == ["started", *["delta"] * 7, "finished"]
+    assert all(m.request_id == "smoke" for m in messages)
+    assert len(messages[0].started.prompt_token_ids) == 3
+    deltas = [m.delta.choices[0] for m in messages[1:-1]]
+    assert all(len(d.token_ids) == 1 and len(d.text) == 4 for d in deltas)
+    assert [d.finish_reason for d in deltas] == [engine_pb2.FINISH_REASON_UNSPECIFIED] * 6 + [
+        engine_pb2.FINISH_REASON_LENGTH]
+    assert messages[-1].finished.usage.completion_tokens == 7
+
+
+def test_the_synthetic_engine_refuses_an_unknown_model_by_code(synthetic_engine: str) -> None:
+    with grpc.insecure_channel(synthetic_engine) as channel:
+        stub = engine_pb2_grpc.EngineStub(channel)
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stub.Generate(engine_pb2.GenerateRequest(model="nope", text="x"), timeout=5))
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_the_relay_bench_writes_its_report(tmp_path: Path) -> None:
+    out = tmp_path / "relay.json"
+    run = subprocess.run(
+        [sys.executable, str(BENCH / "gateway_relay.py"), "--concurrency", "4", "--max-tokens", "16", "--rounds", "1",
+         "--modes", "saturated", "--api-server-counts", "--log-dir", str(tmp_path / "logs"), "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads(out.read_text())
+    assert report["machine"]["cpu_count"] >= 1
+    rows = {row["target"]: row for row in report["rows"]}
+    assert set(rows) == {"direct", "gateway"}
+    for row in rows.values():
+        assert row["errors"] == 0, row["first_errors"]
+        assert row["tokens"] == 4 * 16
+        for key in ("ttfb_p50_ms", "ttfb_p99_ms", "gap_p50_ms", "gap_p99_ms", "engine_cpu_s", "client_cpu_s"):
+            assert key in row
+    gateway = rows["gateway"]
+    assert {"gateway_cpu_s", "tokens_per_gateway_cpu_s", "added"} <= set(gateway)
+    assert set(gateway["added"]) >= {"ttfb_p99_ms", "gap_p99_ms"}
