@@ -26,13 +26,13 @@ commands:
 def serve(argv: Sequence[str]) -> int:
     from taco_llm.gateway.__main__ import parse as check_gateway_args
 
-    from .serve_args import ServeArgsError, parse, worker_devices
+    from .serve_args import ServeArgsError, parse, worker_environments
     from .supervisor import STOP_GRACE_SECONDS, gateway_model, probe_host, probe_ssl_context
     from .supervisor import serve as run
 
     try:
         args = parse(argv)
-        devices, device_warnings = worker_devices(args)
+        environments, device_warnings = worker_environments(args)
     except ServeArgsError as error:
         for line in str(error).splitlines():
             print(f"taco_llm serve: error: {line}", file=sys.stderr)
@@ -40,7 +40,7 @@ def serve(argv: Sequence[str]) -> int:
     for warning in [*args.warnings, *device_warnings]:
         print(f"taco_llm serve: warning: {warning}", file=sys.stderr)
     check_gateway_args(gateway_argv(args))  # refuses a bad gateway flag now, before any engine starts
-    specs = child_specs(args, devices)
+    specs = child_specs(args, environments)
     scheme = "https" if args.ssl_certfile else "http"
     base_url = f"{scheme}://{probe_host(args.host)}:{args.port}"
     # The gateway has checked the files (check_gateway_args), so this loads them without surprises.
@@ -49,9 +49,9 @@ def serve(argv: Sequence[str]) -> int:
                ready_timeout=args.ready_timeout, stop_grace=args.shutdown_timeout + STOP_GRACE_SECONDS)
 
 
-def child_specs(args: ServeArgs, devices: list[str] | None) -> list[ChildSpec]:
-    """serve's processes: the cache service (when one is needed), the workers, the gateway. devices: each
-    worker's CUDA_VISIBLE_DEVICES, or None to leave the environment as it is."""
+def child_specs(args: ServeArgs, environments: list[dict[str, str]]) -> list[ChildSpec]:
+    """serve's processes: the cache service (when one is needed), the workers, the gateway. environments:
+    what each worker adds to its environment (its devices or cores: serve_args.worker_environments)."""
     from .supervisor import ChildSpec, probe_host
 
     python = sys.executable
@@ -78,8 +78,7 @@ def child_specs(args: ServeArgs, devices: list[str] | None) -> list[ChildSpec]:
         return specs
     for i, argv in enumerate(workers):
         name = "engine worker" if args.num_workers == 1 else f"engine worker {i}"
-        env = {"CUDA_VISIBLE_DEVICES": devices[i]} if devices is not None else {}
-        specs.append(ChildSpec(name, "worker", [python, "-m", "taco_llm.engine_worker", *argv], env=env,
+        specs.append(ChildSpec(name, "worker", [python, "-m", "taco_llm.engine_worker", *argv], env=environments[i],
                                health_address=f"{probe_host(args.grpc_host)}:{args.grpc_port + i}"))
     specs.append(ChildSpec("gateway", "gateway", [python, "-m", "taco_llm.gateway", *gateway_argv(args)]))
     return specs

