@@ -1,4 +1,4 @@
-"""`taco_llm worker`: start the engine, then serve it over gRPC until SIGTERM or SIGINT."""
+"""`taco_llm worker`: start the engine, then serve it over gRPC until SIGTERM or SIGINT, then drain."""
 
 from __future__ import annotations
 
@@ -20,11 +20,17 @@ async def _run(args: WorkerArgs) -> int:
     from .frontend.server import serve
 
     stop = asyncio.Event()
+    hurry = asyncio.Event()
+
+    def on_signal() -> None:
+        # The first signal drains (--shutdown-timeout); a second one stops waiting for the streams.
+        (hurry if stop.is_set() else stop).set()
+
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(signum, stop.set)
-    return await serve(args, stop)
+            loop.add_signal_handler(signum, on_signal)
+    return await serve(args, stop, hurry=hurry)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -16,6 +16,7 @@ from ..vllm_internals import FlexibleArgumentParser
 from . import frontend_args
 from .frontend_args import FrontendOptions
 from .offload_args import add_offload_args, apply_offload_args
+from .registry import RegistryOptions, add_registry_args, registry_options
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,10 @@ class WorkerArgs:
     lookahead: LookaheadOptions | None = None
     frontend: FrontendOptions | None = None
     cache_service: str | None = None  # HOST:PORT of the cache service (prefix-KV offload, lookahead)
+    # The cache service prefix-KV blocks are offloaded to: --cache-service with --enable-prefix-cache-offload.
+    prefix_cache_service: str | None = None
     metrics_port: int | None = None
+    registry: RegistryOptions | None = None  # --registry-url and its companions
 
 
 def build_parser() -> FlexibleArgumentParser:
@@ -59,6 +63,7 @@ def build_parser() -> FlexibleArgumentParser:
                         "port, at the --grpc-host address")
     add_lookahead_args(parser)
     add_offload_args(parser)
+    add_registry_args(parser)
     frontend_args.add_cli_args(parser)
     parser = AsyncEngineArgs.add_cli_args(parser)
     if current_platform.is_cpu():
@@ -82,6 +87,7 @@ def parse(argv: Sequence[str]) -> WorkerArgs:
         parser.error(f"--log-stats-interval must be positive, got {args.log_stats_interval}")
     lookahead = lookahead_options(args, parser)
     cache_service = apply_offload_args(args, parser)
+    registry = registry_options(args, parser)
     frontend = frontend_args.from_cli_args(parser, args, _tokenizer_source(args, explicit_model))
     engine = AsyncEngineArgs.from_cli_args(args)
     if engine.speculative_config:
@@ -94,7 +100,9 @@ def parse(argv: Sequence[str]) -> WorkerArgs:
                            engine.worker_cls)
     return WorkerArgs(engine, args.grpc_host, args.grpc_port, not explicit_model, args.log_stats_interval,
                       args.api_key or None, lookahead=lookahead, frontend=frontend,
-                      cache_service=cache_service, metrics_port=args.metrics_port)
+                      cache_service=cache_service, metrics_port=args.metrics_port,
+                      prefix_cache_service=cache_service if args.enable_prefix_cache_offload else None,
+                      registry=registry)
 
 
 def _tokenizer_source(args: argparse.Namespace, explicit_model: bool) -> str:

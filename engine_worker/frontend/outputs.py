@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from vllm.logprobs import Logprob
 from vllm.outputs import CompletionOutput, RequestOutput
@@ -80,48 +80,63 @@ def choice_delta(output: CompletionOutput, top_n: int) -> engine_pb2.ChoiceDelta
 class ResponseBuilder:
     """Turns one request's stream of RequestOutput deltas into GenerateResponse messages."""
 
-    def __init__(self, request_id: str, top_logprobs: int, tools: ToolRequest | None = None):
+    def __init__(self, request_id: str, top_logprobs: int, tools: ToolRequest | None = None, *,
+                 resumed: Sequence[int] = (), skip_special_tokens: bool = True):
         self.request_id = request_id
         self.top_logprobs = top_logprobs
-        self.completion_tokens = 0
+        # A resumed stream (GenerateRequest.resume) counts the tokens another worker already sent.
+        self.resumed = list(resumed)
+        self.completion_tokens = len(self.resumed)
+        self.skip_special_tokens = skip_special_tokens
         self.started = False
         # The prompt's ids, copied once: vLLM hands the same prompt with every output of the request.
+        # Without the resumed tokens, which the engine sees as the prompt's tail but the client as output.
         self.prompt_ids: list[int] | None = None
         # With tool calling, each choice's text goes through its own (stateful) vLLM parser.
         self.tools = tools
         self.tool_parsers: dict[int, ChoiceToolParser] = {}
+
+    def _tool_parser(self, index: int) -> ChoiceToolParser:
+        assert self.tools is not None
+        parser = self.tool_parsers.get(index)
+        if parser is None:
+            parser = self.tool_parsers[index] = self.tools.choice_parser()
+            if self.resumed:
+                parser.replay(self.resumed, self.prompt_ids, skip_special_tokens=self.skip_special_tokens)
+        return parser
 
     def build(self, output: RequestOutput) -> list[engine_pb2.GenerateResponse]:
         """The messages for one engine output: `started` before the first output's delta, `finished`
         after the last one's."""
         messages = []
         if self.prompt_ids is None and output.prompt_token_ids is not None:
-            self.prompt_ids = list(output.prompt_token_ids)
+            self.prompt_ids = list(output.prompt_token_ids[:len(output.prompt_token_ids) - len(self.resumed)])
         prompt_ids = self.prompt_ids
         if not self.started:
             self.started = True
             started = engine_pb2.Started(prompt_token_ids=prompt_ids or [])
             # With output kind DELTA, vLLM hands over all prompt logprobs at once, in the first output.
             if output.prompt_logprobs is not None:
-                started.prompt_logprobs.extend(prompt_logprobs(output.prompt_logprobs))
+                positions = output.prompt_logprobs[:len(prompt_ids or ())]
+                started.prompt_logprobs.extend(prompt_logprobs(positions))
             messages.append(engine_pb2.GenerateResponse(request_id=self.request_id, started=started))
         delta = engine_pb2.Delta()
         for choice in output.outputs:
             self.completion_tokens += len(choice.token_ids)
             choice_message = choice_delta(choice, self.top_logprobs)
             if self.tools is not None:
-                if choice.index not in self.tool_parsers:
-                    self.tool_parsers[choice.index] = self.tools.choice_parser()
-                parser = self.tool_parsers[choice.index]
-                parser.delta(choice_message, prompt_ids, finished=choice.finish_reason is not None)
+                self._tool_parser(choice.index).delta(choice_message, prompt_ids,
+                                                      finished=choice.finish_reason is not None)
             delta.choices.append(choice_message)
         if delta.choices:
             messages.append(engine_pb2.GenerateResponse(request_id=self.request_id, delta=delta))
         if output.finished:
+            prompt_tokens = len(prompt_ids or ())
             usage = engine_pb2.Usage(
-                prompt_tokens=len(output.prompt_token_ids or ()),
+                prompt_tokens=prompt_tokens,
                 completion_tokens=self.completion_tokens,
-                cached_prompt_tokens=output.num_cached_tokens or 0,
+                # A resumed stream's cache hits may reach into the resumed tokens: count the prompt's only.
+                cached_prompt_tokens=min(output.num_cached_tokens or 0, prompt_tokens),
             )
             messages.append(engine_pb2.GenerateResponse(request_id=self.request_id,
                                                         finished=engine_pb2.Finished(usage=usage)))

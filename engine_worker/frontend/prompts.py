@@ -102,14 +102,14 @@ async def render_text(renderer: BaseRenderer, model_config: Any, text: str,
     return engine_input  # type: ignore[return-value]
 
 
-def check_token_ids(ids: Sequence[int], vocab_size: int) -> None:
-    """Refuses the first id outside the model's vocabulary, naming `token_ids`."""
+def check_token_ids(ids: Sequence[int], vocab_size: int, *, field: str = "token_ids") -> None:
+    """Refuses the first id outside the model's vocabulary, naming `field`."""
     for i, token in enumerate(ids):
         if token >= vocab_size:
-            raise InvalidField("token_ids", f"token_ids[{i}] = {token} is outside the vocabulary "
-                                            f"(size {vocab_size})", Reason.TOKEN_OUT_OF_VOCABULARY)
+            raise InvalidField(field, f"{field}[{i}] = {token} is outside the vocabulary "
+                                      f"(size {vocab_size})", Reason.TOKEN_OUT_OF_VOCABULARY)
 
 
-def token_input(ids: list[int], vocab_size: int) -> dict[str, Any]:
+def token_input(ids: list[int], vocab_size: int, *, cache_salt: str | None = None) -> dict[str, Any]:
     check_token_ids(ids, vocab_size)
-    return tokens_input(ids)  # type: ignore[return-value]
+    return tokens_input(ids, cache_salt=cache_salt)  # type: ignore[return-value]

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from google.protobuf import json_format, struct_pb2
+from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 from taco_llm.protos import engine_pb2
@@ -153,5 +154,7 @@ def to_vllm(
     kwargs.update(overrides or {})
     try:
         return SamplingParams(**kwargs)
+    except VLLMValidationError as error:  # n > 1 with greedy sampling, say
+        raise InvalidField(error.parameter or "sampling", str(error)) from None
     except (ValueError, TypeError) as error:
         raise InvalidField("sampling", str(error)) from None

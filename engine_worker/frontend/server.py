@@ -25,13 +25,16 @@ from ..lookahead_settings import ConfigError, configure_lookahead
 from ..vllm_internals import get_prometheus_registry
 from .args import WorkerArgs
 from .auth import ApiKeyInterceptor
-from .engine import resolve_default_model, start_engine
+from .drain import drain
+from .engine import LoadTracker, resolve_default_model, start_engine
+from .registry import Registrar
 from .service import EngineService
+from .tracing import Tracing
 
 logger = logging.getLogger(__name__)
 
-# In-flight streams get this long to finish on shutdown; then they are cancelled, which aborts them.
-SHUTDOWN_GRACE_SECONDS = 5.0
+# Once the streams are done (or cut), calls still open (a GetLoad, a Tokenize) get this long to answer.
+STOP_GRACE_SECONDS = 1.0
 
 
 async def _log_stats(engine: AsyncLLM, interval: float) -> None:
@@ -59,7 +62,8 @@ def _served_names(args: WorkerArgs) -> list[str]:
     return list(args.engine.served_model_name or [args.engine.model])
 
 
-async def serve(args: WorkerArgs, stop: asyncio.Event) -> int:
+async def serve(args: WorkerArgs, stop: asyncio.Event, *, hurry: asyncio.Event | None = None) -> int:
+    """Runs the worker until `stop` is set, then drains it (until `hurry` is set, at the latest)."""
     if args.uses_default_model:
         resolve_default_model(args.engine)
     if args.lookahead is not None:
@@ -72,16 +76,29 @@ async def serve(args: WorkerArgs, stop: asyncio.Event) -> int:
     if args.metrics_port is not None:
         # Before the engine starts, so that its processes write their metrics where we can read them.
         registry = _metrics_registry()
-    engine = start_engine(args.engine, prometheus=args.metrics_port is not None)
+    load = LoadTracker()
+    engine = start_engine(args.engine, load, prometheus=args.metrics_port is not None)
     served = _served_names(args)
+    hurry = hurry or asyncio.Event()
     engine_died = asyncio.Event()
-    service = EngineService(engine, served, on_engine_dead=engine_died.set, frontend=args.frontend)
 
+    def on_engine_dead() -> None:
+        engine_died.set()
+        hurry.set()  # nothing left to drain into
+
+    tracing = Tracing(args.engine.otlp_traces_endpoint)
+    service = EngineService(engine, served, on_engine_dead=on_engine_dead, frontend=args.frontend, load=load,
+                            tracing=tracing, prefix_cache_service=args.prefix_cache_service or "",
+                            metrics_port=args.metrics_port or 0)
+
+    interceptors: list[grpc.aio.ServerInterceptor] = [*tracing.interceptors]
+    if args.api_key:
+        interceptors.append(ApiKeyInterceptor(args.api_key))
     server = grpc.aio.server(options=[
         ("grpc.max_send_message_length", GRPC_MESSAGE_LIMIT),
         ("grpc.max_receive_message_length", GRPC_MESSAGE_LIMIT),
         ("grpc.so_reuseport", 0),
-    ], interceptors=[ApiKeyInterceptor(args.api_key)] if args.api_key else None)
+    ], interceptors=interceptors or None)
     engine_pb2_grpc.add_EngineServicer_to_server(service, server)
     health_service = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
@@ -109,6 +126,11 @@ async def serve(args: WorkerArgs, stop: asyncio.Event) -> int:
     for name in ("", ENGINE_SERVICE):
         await health_service.set(name, health_pb2.HealthCheckResponse.SERVING)
     print(f"taco_llm worker: serving {', '.join(served)} over gRPC at {address}", flush=True)
+    registrar = None
+    if args.registry is not None:
+        registrar = Registrar(args.registry.url, args.registry.advertise_address, service.served_model_names,
+                              ttl=args.registry.ttl)
+        await registrar.start()
 
     stats_task = None
     if not args.engine.disable_log_stats:
@@ -116,13 +138,14 @@ async def serve(args: WorkerArgs, stop: asyncio.Event) -> int:
     stop_wait = asyncio.create_task(stop.wait())
     dead_wait = asyncio.create_task(engine_died.wait())
     await asyncio.wait({stop_wait, dead_wait}, return_when=asyncio.FIRST_COMPLETED)
-    code = 1 if engine_died.is_set() else 0
-    logger.info("shutting down%s", " (the engine died)" if code else "")
+    logger.info("shutting down%s", " (the engine died)" if engine_died.is_set() else "")
     for task in (stop_wait, dead_wait, stats_task):
         if task is not None:
             task.cancel()
-    await health_service.enter_graceful_shutdown()
-    await server.stop(SHUTDOWN_GRACE_SECONDS)
+    await drain(service.gate, service.cut_streams, health_service, registrar,
+                timeout=float(args.engine.shutdown_timeout), hurry=hurry)
+    await server.stop(STOP_GRACE_SECONDS)
     with contextlib.suppress(Exception):
         engine.shutdown()
-    return code
+    tracing.shutdown()
+    return 1 if engine_died.is_set() else 0

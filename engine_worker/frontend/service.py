@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -12,6 +13,8 @@ import grpc
 import vllm
 from vllm.exceptions import VLLMClientError, VLLMValidationError
 from vllm.lora.request import LoRARequest
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -21,14 +24,21 @@ from taco_llm.version import package_version
 
 from ..vllm_internals import is_context_overflow
 from . import prompts
+from .drain import StreamGate
 from .engine import LoadTracker
 from .frontend_args import FrontendOptions
 from .lora import LoraRegistry
 from .outputs import ResponseBuilder
 from .sampling import InvalidField, Limits, structured, to_vllm
-from .tools import ToolCalling, tool_parser_class
+from .tools import ToolCalling, ToolRequest, tool_parser_class
+from .tracing import Tracing
 
 logger = logging.getLogger(__name__)
+
+RESUME_IDS_FIELD = "resume.output_token_ids"
+DRAINING = "this worker is shutting down; send the request to another worker"
+CUT = "this worker shut down before the stream finished (--shutdown-timeout); continue it on another worker"
+
 
 class TooLong(Exception):
     """The prompt does not fit in the model's context."""
@@ -38,12 +48,53 @@ async def _refuse(context: grpc.aio.ServicerContext, error: InvalidField) -> NoR
     await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error), error.reason, error.field)
 
 
+def _resumed_sampling(sampling: engine_pb2.SamplingParams, resumed: int,
+                      defaults: dict[str, Any]) -> engine_pb2.SamplingParams:
+    """The sampling of what remains of a resumed stream: max_tokens and min_tokens less the tokens
+    already sent. With max_tokens unset, the model's default (if any) is reduced the same way; without
+    one, the stream still runs to the end of the context."""
+    if not resumed:
+        return sampling
+    if sampling.HasField("n") and sampling.n != 1:
+        raise InvalidField("sampling.n", f"only a request of one choice can be resumed (n is {sampling.n})")
+    remaining = engine_pb2.SamplingParams()
+    remaining.CopyFrom(sampling)
+    max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else defaults.get("max_tokens")
+    if max_tokens is not None:
+        if max_tokens - resumed < 1:
+            raise InvalidField(RESUME_IDS_FIELD, f"the stream already has {resumed} tokens and max_tokens is "
+                                                 f"{max_tokens}: nothing is left to generate")
+        remaining.max_tokens = max_tokens - resumed
+    if sampling.HasField("min_tokens"):
+        remaining.min_tokens = max(0, sampling.min_tokens - resumed)
+    return remaining
+
+
+def _check_resumable(params: SamplingParams) -> None:
+    if params.structured_outputs is not None:
+        # vLLM compiles the grammar for the request and starts it at the first generated token: it cannot
+        # be advanced over the resumed tokens, so the continuation would be constrained from the start.
+        raise InvalidField("resume", "a stream with structured output (or a forced tool call) cannot be "
+                                     "resumed: the grammar cannot continue from the resumed tokens")
+
+
+def _cut_short(output: RequestOutput) -> bool:
+    """An output the engine ended by aborting it (an Abort call, or the engine's own shutdown)."""
+    return output.finished and any(choice.finish_reason == "abort" for choice in output.outputs)
+
+
 class EngineService(engine_pb2_grpc.EngineServicer):
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], on_engine_dead: Callable[[], None],
-                 frontend: FrontendOptions | None = None):
+                 frontend: FrontendOptions | None = None, *, load: LoadTracker, tracing: Tracing | None = None,
+                 prefix_cache_service: str = "", metrics_port: int = 0):
         frontend = frontend or FrontendOptions()
         self.engine = engine
         self.on_engine_dead = on_engine_dead
+        self.load = load  # the one the engine's stat logger writes to
+        self.tracing = tracing or Tracing(None)
+        self.gate = StreamGate()
+        self.prefix_cache_service = prefix_cache_service
+        self.metrics_port = metrics_port
         self.loras = LoraRegistry(frontend.lora_modules, served_model_names[0])
         # The base model's names, then one per LoRA adapter: every name a request may use.
         self.served_model_names = served_model_names + self.loras.names
@@ -119,26 +170,51 @@ class EngineService(engine_pb2_grpc.EngineServicer):
 
     async def Generate(self, request: engine_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        if not self.gate.admit():
+            await abort(context, grpc.StatusCode.UNAVAILABLE, DRAINING, Reason.WORKER_DRAINING)
+        try:
+            async for message in self._generate(request, context):
+                yield message
+        finally:
+            self.gate.leave()
+
+    async def _prepare(self, request: engine_pb2.GenerateRequest,
+                       kind: str) -> tuple[dict[str, Any], SamplingParams, ToolRequest | None, list[int]]:
+        """The engine input, sampling and tool calling of a request; raises InvalidField or TooLong."""
+        so = request.sampling.structured_output
+        if so.backend and so.backend != self.structured_backend:
+            raise InvalidField(
+                "structured_output.backend",
+                f"this worker's structured-output backend is {self.structured_backend!r}; vLLM's V1 engine "
+                f"cannot switch it per request (asked for {so.backend!r})", Reason.STRUCTURED_OUTPUT_BACKEND_FIXED,
+            )
+        resumed = list(request.resume.output_token_ids)
+        prompts.check_token_ids(resumed, self.limits.vocab_size, field=RESUME_IDS_FIELD)
+        sampling = _resumed_sampling(request.sampling, len(resumed), self.sampling_defaults)
+        tools = None
+        if kind == "chat":
+            tools = self.tool_calling.prepare(prompts.chat_messages(request.chat), prompts.chat_tools(request.chat),
+                                              request.chat, structured(so))
+        engine_input = await self._render(request)
+        if resumed:
+            # The engine continues from the resumed tokens as if they were the prompt's tail.
+            engine_input = prompts.token_input(list(engine_input["prompt_token_ids"]) + resumed,
+                                               self.limits.vocab_size, cache_salt=engine_input.get("cache_salt"))
+        prompt_len = len(engine_input["prompt_token_ids"])
+        self._check_length(prompt_len, kind)
+        params = to_vllm(sampling, self.limits, prompt_len, self.sampling_defaults,
+                         tools.sampling_overrides() if tools is not None else None)
+        if resumed:
+            _check_resumable(params)
+        return engine_input, params, tools, resumed
+
+    async def _generate(self, request: engine_pb2.GenerateRequest,
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.GenerateResponse]:
         lora = await self._check_model(request.model, context)
         request_id = request.request_id or f"taco-{uuid.uuid4().hex}"
         kind = request.WhichOneof("input") or "input"
-        so = request.sampling.structured_output
         try:
-            if so.backend and so.backend != self.structured_backend:
-                raise InvalidField(
-                    "structured_output.backend",
-                    f"this worker's structured-output backend is {self.structured_backend!r}; vLLM's V1 engine "
-                    f"cannot switch it per request (asked for {so.backend!r})", Reason.STRUCTURED_OUTPUT_BACKEND_FIXED,
-                )
-            tools = None
-            if kind == "chat":
-                tools = self.tool_calling.prepare(prompts.chat_messages(request.chat), prompts.chat_tools(request.chat),
-                                                  request.chat, structured(so))
-            engine_input = await self._render(request)
-            prompt_len = len(engine_input["prompt_token_ids"])
-            self._check_length(prompt_len, kind)
-            params = to_vllm(request.sampling, self.limits, prompt_len, self.sampling_defaults,
-                             tools.sampling_overrides() if tools is not None else None)
+            engine_input, params, tools, resumed = await self._prepare(request, kind)
         except InvalidField as error:
             await _refuse(context, error)
         except TooLong as error:
@@ -149,17 +225,28 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                         Reason.REQUEST_ID_IN_USE, "request_id")
         if lora is not None:
             await self._load_adapter(lora, context)
-        builder = ResponseBuilder(request_id, params.logprobs or 0, tools)
+        if self.gate.cut:  # admitted before the drain, but the drain's deadline passed while rendering
+            await abort(context, grpc.StatusCode.UNAVAILABLE, CUT, Reason.WORKER_DRAINING)
+        builder = ResponseBuilder(request_id, params.logprobs or 0, tools, resumed=resumed,
+                                  skip_special_tokens=params.skip_special_tokens)
         self.running.add(request_id)
+        cut = False
         try:
             # Cancelling this call (client gone, deadline passed) cancels the generator, and vLLM's
             # generate() aborts the request in the engine on the way out.
-            async for output in self.engine.generate(
+            async with contextlib.aclosing(self.engine.generate(
                 engine_input,  # type: ignore[arg-type]  # a rendered EngineInput dict
                 params, request_id, lora_request=lora, priority=request.priority,
-            ):
-                for message in builder.build(output):
-                    yield message
+                trace_headers=self.tracing.trace_headers(),
+            )) as outputs:
+                async for output in outputs:
+                    # Aborted while draining (at the drain's deadline, or by the engine's own shutdown):
+                    # the client must learn that the stream did not finish, and resume it elsewhere.
+                    if self.gate.draining and _cut_short(output):
+                        cut = True
+                        break
+                    for message in builder.build(output):
+                        yield message
         except VLLMValidationError as error:
             await invalid_argument(context, str(error), error.parameter or "sampling")
         except VLLMClientError as error:
@@ -172,6 +259,14 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                         Reason.ENGINE_DEAD)
         finally:
             self.running.discard(request_id)
+        if cut:
+            await abort(context, grpc.StatusCode.UNAVAILABLE, CUT, Reason.WORKER_DRAINING)
+
+    async def cut_streams(self) -> None:
+        """Aborts every running request in the engine; their Generate calls end with WORKER_DRAINING."""
+        # A dead engine has ended its streams already (ENGINE_DEAD), and would fail the abort.
+        if self.running and not self.engine.errored:
+            await self.engine.abort(list(self.running))
 
     async def Abort(self, request: engine_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> engine_pb2.AbortResponse:
@@ -201,6 +296,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             created=self.created,
             lora_adapters=self.loras.adapters,
             tool_call_parser=self.tool_calling.parser_name,
+            prefix_cache_service=self.prefix_cache_service,
+            metrics_port=self.metrics_port,
         )
         if self.tokenizer.bos_token_id is not None:
             info.bos_token_id = self.tokenizer.bos_token_id
@@ -208,7 +305,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
 
     async def GetLoad(self, request: engine_pb2.GetLoadRequest,
                       context: grpc.aio.ServicerContext) -> engine_pb2.Load:
-        load = LoadTracker.latest
+        load = self.load.latest
         return engine_pb2.Load(
             num_running_requests=load.num_running_requests,
             num_waiting_requests=load.num_waiting_requests,

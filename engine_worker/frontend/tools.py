@@ -10,6 +10,7 @@ in whole at the end for non-streaming replies, exactly as vLLM's chat serving do
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from pydantic import ValidationError
@@ -159,6 +160,24 @@ def _tool_call_deltas(message: DeltaMessage | None) -> list[engine_pb2.ToolCallD
     return out
 
 
+def decoded_pieces(tokenizer: TokenizerLike, token_ids: list[int], *,
+                   skip_special_tokens: bool) -> Iterator[tuple[str, list[int]]]:
+    """The ids' text piece by piece, as a stream shows it: each piece with the ids that completed it.
+
+    Each piece is decoded within a short window of the ids before it (a token's text can depend on its
+    neighbours), and held back while it ends in an incomplete character."""
+    window_start = piece_start = 0
+    for end in range(1, len(token_ids) + 1):
+        before = tokenizer.decode(token_ids[window_start:piece_start], skip_special_tokens=skip_special_tokens)
+        now = tokenizer.decode(token_ids[window_start:end], skip_special_tokens=skip_special_tokens)
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            yield now[len(before):], token_ids[piece_start:end]
+            window_start, piece_start = piece_start, end
+    if piece_start < len(token_ids):
+        # Ids that never complete a character (or decode to nothing): passed on with no text.
+        yield "", token_ids[piece_start:]
+
+
 class ChoiceToolParser:
     """Parses one choice: per delta (vLLM's stream path) and, at the end, in whole (its full path)."""
 
@@ -173,31 +192,45 @@ class ChoiceToolParser:
     def delta(self, delta: engine_pb2.ChoiceDelta, prompt_token_ids: list[int] | None, finished: bool) -> None:
         """Turns the delta's `text` into its `parsed` variant: the raw text, its content and tool-call
         fragments, and, when finished, the whole text parsed at once."""
-        if prompt_token_ids is not None and self.prompt_token_ids is None:
-            self.prompt_token_ids = prompt_token_ids
         text = delta.text
         parsed = delta.parsed
         parsed.raw_text = text  # sets the `output` oneof to `parsed`, even for empty text
-        self.text += text
-        self.token_ids.extend(delta.token_ids)
-        message = self.stream_parser.parse_delta(
-            delta_text=text, delta_token_ids=list(delta.token_ids), request=self.tools.request,
-            prompt_token_ids=self.prompt_token_ids, finished=finished,
-        )
+        message = self._advance(text, list(delta.token_ids), prompt_token_ids, finished=finished)
         if message is not None:
-            message = maybe_filter_parallel_tool_calls(message, self.tools.request)
             if message.content:
                 parsed.content = message.content
-            calls = _tool_call_deltas(message)
-            if calls:
-                self.streamed_calls = True
-                parsed.tool_calls.extend(calls)
+            parsed.tool_calls.extend(_tool_call_deltas(message))
         if finished:
             raw = delta.finish_reason or engine_pb2.FINISH_REASON_STOP
             parsed.whole.CopyFrom(self.parse_whole(raw))
             # As vLLM streams it: "tool_calls" when calls were streamed, but "stop" for a named choice.
             if self.streamed_calls and not self.tools.named and raw == engine_pb2.FINISH_REASON_STOP:
                 delta.finish_reason = engine_pb2.FINISH_REASON_TOOL_CALLS
+
+    def replay(self, token_ids: list[int], prompt_token_ids: list[int] | None, *, skip_special_tokens: bool) -> None:
+        """Feeds the output another worker already streamed (GenerateRequest.resume) through the parser,
+        emitting nothing: a tool call that worker began continues here as it would have there."""
+        tokenizer = self.tools.calling.tokenizer
+        for text, ids in decoded_pieces(tokenizer, token_ids, skip_special_tokens=skip_special_tokens):
+            self._advance(text, ids, prompt_token_ids, finished=False)
+
+    def _advance(self, text: str, token_ids: list[int], prompt_token_ids: list[int] | None, *,
+                 finished: bool) -> DeltaMessage | None:
+        """Parses one more piece of the choice's output (vLLM's stream path)."""
+        if prompt_token_ids is not None and self.prompt_token_ids is None:
+            self.prompt_token_ids = prompt_token_ids
+        self.text += text
+        self.token_ids.extend(token_ids)
+        message = self.stream_parser.parse_delta(
+            delta_text=text, delta_token_ids=token_ids, request=self.tools.request,
+            prompt_token_ids=self.prompt_token_ids, finished=finished,
+        )
+        if message is None:
+            return None
+        message = maybe_filter_parallel_tool_calls(message, self.tools.request)
+        if message.tool_calls:
+            self.streamed_calls = True
+        return message
 
     def parse_whole(self, finish_reason: engine_pb2.FinishReason) -> engine_pb2.ParsedChoice:
         """The choice as vLLM's non-streaming chat completion builds it."""
