@@ -47,16 +47,18 @@ async def _run(worker_args: WorkerArgs, settings: GatewaySettings) -> int:
     from taco_llm.gateway.app import create_app
 
     stop = asyncio.Event()
+    # A second signal cuts the worker's drain short, as it does for a worker process of its own.
+    hurry = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signum, lambda: (hurry if stop.is_set() else stop).set())
     tls = settings.tls.uvicorn_kwargs() if settings.tls else {}
     config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
                             log_level=settings.uvicorn_log_level,
                             access_log=settings.uvicorn_log_level in ("debug", "trace"),
                             timeout_graceful_shutdown=5, **tls)  # type: ignore[arg-type]
     gateway = _GatewayServer(config)
-    worker_task = asyncio.create_task(serve_worker(worker_args, stop), name="engine-worker")
+    worker_task = asyncio.create_task(serve_worker(worker_args, stop, hurry=hurry), name="engine-worker")
     gateway_task = asyncio.create_task(_serve_gateway(gateway), name="gateway")
     print(f"taco_llm: engine worker and gateway in one process; the gateway listens on "
           f"{settings.scheme}://{settings.host}:{settings.port}", flush=True)
