@@ -86,9 +86,13 @@ def child_specs(args: ServeArgs, environments: list[dict[str, str]]) -> list[Chi
 
 def gateway_argv(args: ServeArgs) -> list[str]:
     """The gateway's flags: one --engine per worker (it health-checks them, so a restarted worker rejoins),
-    then the gateway flags serve was given."""
+    then the gateway flags serve was given (--registry-url among them, when given)."""
     from .supervisor import probe_host
 
+    if "--registry-url" in args.worker_argv and probe_host(args.grpc_host) != args.grpc_host:
+        # Workers on a wildcard host register this host's IP; a static 127.0.0.1 entry beside it would
+        # count each worker twice. The registry alone then says who is in the fleet.
+        return list(args.gateway_argv)
     host = probe_host(args.grpc_host)
     engines = [item for i in range(args.num_workers) for item in ("--engine", f"{host}:{args.grpc_port + i}")]
     return [*engines, *args.gateway_argv]

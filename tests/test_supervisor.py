@@ -285,3 +285,12 @@ def test_one_worker_keeps_its_old_command_line() -> None:
     assert specs[1].argv[3:] == ["--engine", "127.0.0.1:7000"]
     single = child_specs(parse(["--disable-frontend-multiprocessing"]), [{}])
     assert [(spec.name, spec.role) for spec in single] == [("engine worker and gateway", "gateway")]
+
+
+def test_workers_on_a_wildcard_host_are_found_through_the_registry_alone() -> None:
+    from taco_llm.cli import gateway_argv
+
+    local = parse(["--num-workers", "2", "--grpc-port", "6000", "--registry-url", "redis://r:6379/1"])
+    assert gateway_argv(local)[:4] == ["--engine", "127.0.0.1:6000", "--engine", "127.0.0.1:6001"]
+    wildcard = parse(["--num-workers", "2", "--grpc-host", "0.0.0.0", "--registry-url", "redis://r:6379/1"])
+    assert "--engine" not in gateway_argv(wildcard) and "--registry-url" in gateway_argv(wildcard)
