@@ -94,10 +94,11 @@ class EngineClient:
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker, repr=False)
     # The last GetLoad answer; None until one came (or for a worker without GetLoad).
     reported: engine_pb2.Load | None = field(default=None, repr=False)
-    # Requests routed to it, ever, and that count when the GetLoad behind `reported` was sent: the
-    # difference is what the worker had not seen yet.
-    routed: int = 0
-    routed_at_report: int = 0
+    # This gateway's open streams on it when the GetLoad behind `reported` was sent: the streams opened
+    # and closed since then are what the worker's count does not show yet. (Counting only those routed
+    # since would keep a finished request on the books until the next GetLoad: one worker then looks
+    # busy for a whole interval after each short request, and a prefix would hop between workers.)
+    in_flight_at_report: int = 0
 
     @classmethod
     def connect(cls, address: str, metadata: tuple[tuple[str, str], ...] = (), *, static: bool = True,
@@ -111,13 +112,15 @@ class EngineClient:
 
     @property
     def load(self) -> float:
-        """Requests on the worker (running and waiting, by its own count, plus those routed since it
-        counted), with a KV-cache term; this gateway's own streams for a worker without GetLoad."""
+        """Requests on the worker (running and waiting, by its own count, corrected by the streams this
+        gateway opened and closed since it counted, and never below those open now), with a KV-cache
+        term; this gateway's own streams for a worker without GetLoad."""
         report = self.reported
         if report is None:
             return float(self.in_flight)
-        return (report.num_running_requests + report.num_waiting_requests + (self.routed - self.routed_at_report)
-                + KV_CACHE_WEIGHT * report.kv_cache_usage)
+        requests = max(report.num_running_requests + report.num_waiting_requests
+                       + self.in_flight - self.in_flight_at_report, self.in_flight)
+        return requests + KV_CACHE_WEIGHT * report.kv_cache_usage
 
     @property
     def cache_group(self) -> str:
@@ -125,7 +128,7 @@ class EngineClient:
 
     async def poll(self, deadline: float) -> None:
         """One health Check and GetLoad; updates `ready` (and `info` when it becomes ready)."""
-        routed_before = self.routed
+        in_flight_before = self.in_flight
         check: health_pb2.HealthCheckResponse | grpc.aio.AioRpcError
         load: engine_pb2.Load | grpc.aio.AioRpcError
         check, load = await asyncio.gather(
@@ -146,7 +149,7 @@ class EngineClient:
                 self.last_error = health_pb2.HealthCheckResponse.ServingStatus.Name(check.status)
         if isinstance(load, engine_pb2.Load):
             self.reported = load
-            self.routed_at_report = routed_before
+            self.in_flight_at_report = in_flight_before
         elif isinstance(load, grpc.aio.AioRpcError) and load.code() == grpc.StatusCode.UNIMPLEMENTED:
             self.reported = None
         if serving and (not self.ready or self.info is None):
@@ -356,7 +359,6 @@ class EnginePool:
         choice = self.policy.choose(eligible, model=model, key=key)
         client = choice.target
         client.breaker.routed(now)
-        client.routed += 1
         ROUTING_DECISIONS.labels(self.policy.name, choice.reason).inc()
         CIRCUIT_STATE.labels(client.address).set(client.breaker.state(now))
         return Route(client, self.policy.name, choice.reason, choice.prefix_match)
