@@ -1,4 +1,11 @@
-"""`taco_llm gateway`: the OpenAI-compatible HTTP front of one or more engine workers."""
+"""`taco_llm gateway`: the OpenAI-compatible HTTP front of one or more engine workers.
+
+With --api-server-count N > 1 (vLLM's flag) this process serves nothing itself: it starts N copies of
+itself (`--api-server-index I`, a hidden flag) that each bind the same host:port with SO_REUSEPORT, so
+that the kernel spreads connections over them, and shares their metrics through prometheus_client's
+multiprocess mode (PROMETHEUS_MULTIPROC_DIR, a folder made here). It forwards SIGTERM and SIGINT to
+them as SIGTERM, and exits with the worst of their codes; one that dies stops the others.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +13,17 @@ import argparse
 import logging
 import math
 import os
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Sequence
+from types import FrameType
 
 import uvicorn
+from uvicorn.main import STARTUP_FAILURE
 
 from .app import GatewaySettings, create_app
 from .args import add_gateway_args, add_routing_args
@@ -26,8 +40,13 @@ def parse(argv: Sequence[str] | None) -> GatewaySettings:
     parser.add_argument("--engine-api-key", default=None,
                         help="key sent to the workers in gRPC metadata, when they require one")
     add_gateway_args(parser)
+    parser.add_argument("--api-server-index", type=int, default=None, help=argparse.SUPPRESS)
     add_routing_args(parser)
     args = parser.parse_args(argv)
+    if args.api_server_count < 1:
+        parser.error(f"--api-server-count {args.api_server_count} is not a number of processes (1 or more)")
+    if args.stream_interval < 1:
+        parser.error(f"--stream-interval {args.stream_interval} is not a number of tokens (1 or more)")
     if not args.engine and not args.registry_url:
         parser.error("workers are needed: at least one --engine HOST:PORT, or a --registry-url where they register")
     for address in args.engine:
@@ -70,6 +89,9 @@ def parse(argv: Sequence[str] | None) -> GatewaySettings:
         cache_aware_balance_rel_threshold=args.cache_aware_balance_rel_threshold,
         cache_aware_offload_discount=args.cache_aware_offload_discount,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
+        api_server_count=args.api_server_count,
+        api_server_index=args.api_server_index,
+        stream_interval=args.stream_interval,
     )
 
 
@@ -97,19 +119,88 @@ def _check_routing_args(parser: argparse.ArgumentParser, args: argparse.Namespac
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    settings = parse(argv)
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    settings = parse(arguments)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s gateway: %(message)s")
+    if settings.api_server_count > 1 and settings.api_server_index is None:
+        return _run_api_servers(settings, arguments)
     app = create_app(settings)
-    workers = [f"engines {', '.join(settings.engines)}"] if settings.engines else []
-    if settings.registry_url:
-        workers.append(f"workers registered at {settings.registry_url}")
-    print(f"taco_llm gateway: listening on {settings.scheme}://{settings.host}:{settings.port}, "
-          f"{' and '.join(workers)}, routing {settings.routing}", flush=True)
+    if settings.api_server_index is None:
+        workers = [f"engines {', '.join(settings.engines)}"] if settings.engines else []
+        if settings.registry_url:
+            workers.append(f"workers registered at {settings.registry_url}")
+        print(f"taco_llm gateway: listening on {settings.scheme}://{settings.host}:{settings.port}, "
+              f"{' and '.join(workers)}, routing {settings.routing}", flush=True)
     tls = settings.tls.uvicorn_kwargs() if settings.tls else {}
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.uvicorn_log_level,
-                access_log=settings.uvicorn_log_level in ("debug", "trace"), timeout_graceful_shutdown=5,
-                **tls)  # type: ignore[arg-type]
-    return 0
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.uvicorn_log_level,
+                            access_log=settings.uvicorn_log_level in ("debug", "trace"), timeout_graceful_shutdown=5,
+                            **tls)  # type: ignore[arg-type]
+    server = uvicorn.Server(config)
+    if settings.api_server_index is None:
+        server.run()
+    else:
+        server.run(sockets=[_shared_socket(settings.host, settings.port)])
+    # uvicorn returns (rather than exits) when its socket cannot be bound or the app fails to start.
+    return 0 if server.started else STARTUP_FAILURE
+
+
+def _exit_code(returncode: int) -> int:
+    # uvicorn stops on SIGTERM and then re-raises it on itself: that death is the clean stop asked for.
+    if returncode == -signal.SIGTERM:
+        return 0
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+def _shared_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port that the other API server processes bind too (SO_REUSEPORT)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind(address)
+    except OSError as error:
+        sock.close()
+        raise SystemExit(f"taco_llm gateway: cannot listen on {host}:{port}: {error}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _run_api_servers(settings: GatewaySettings, arguments: list[str]) -> int:
+    count = settings.api_server_count
+    print(f"taco_llm gateway: {count} API server processes on {settings.scheme}://{settings.host}:{settings.port}",
+          flush=True)
+    with tempfile.TemporaryDirectory(prefix="taco_llm_gateway_metrics_") as metrics_dir:
+        # Read by prometheus_client when the children import it: their metrics go to files here, and
+        # each child's /metrics adds up every child's.
+        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
+        children = [subprocess.Popen([sys.executable, "-m", "taco_llm.gateway", *arguments,
+                                      "--api-server-index", str(i)], env=env) for i in range(count)]
+        stopping = False
+
+        def stop(signum: int, _: FrameType | None) -> None:
+            nonlocal stopping
+            stopping = True
+            for child in children:
+                if child.poll() is None:
+                    # SIGTERM whatever came: uvicorn takes a second SIGINT (a terminal sends its
+                    # process group one already) as "exit now", without finishing the streams.
+                    child.send_signal(signal.SIGTERM)
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+        worst = 0
+        while any(child.poll() is None for child in children):
+            for child in children:
+                if child.returncode is not None and not stopping:
+                    print(f"taco_llm gateway: API server process {child.pid} exited with {child.returncode}; "
+                          "stopping the others", file=sys.stderr, flush=True)
+                    worst = 1
+                    stop(signal.SIGTERM, None)
+            time.sleep(0.1)
+        return max(worst, *(_exit_code(child.returncode) for child in children))
 
 
 if __name__ == "__main__":

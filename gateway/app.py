@@ -64,6 +64,12 @@ class GatewaySettings:
     allow_credentials: bool = False
     middleware: list[str] = field(default_factory=list)  # import paths, checked by gateway.__main__.parse
     tls: TlsOptions | None = None
+    # --stream-interval: at most one chunk per this many tokens of a choice (see from_engine.coalesced).
+    stream_interval: int = 1
+    # --api-server-count: gateway processes on the port; api_server_index: which one this is (None: the
+    # only one, or the parent that starts them).
+    api_server_count: int = 1
+    api_server_index: int | None = None
 
     @property
     def scheme(self) -> str:
@@ -110,11 +116,12 @@ def create_app(settings: GatewaySettings, pool: EnginePool | None = None) -> Fas
                           max_migrations=settings.max_migrations)
     token_text = TokenText(as_token_ids=settings.return_tokens_as_token_ids)
     app.include_router(api_router(Servings(
-        chat=ServingChat(engines, response_role=settings.response_role, token_text=token_text),
-        completion=ServingCompletion(engines, token_text=token_text),
+        chat=ServingChat(engines, response_role=settings.response_role, token_text=token_text,
+                         stream_interval=settings.stream_interval),
+        completion=ServingCompletion(engines, token_text=token_text, stream_interval=settings.stream_interval),
         models=ServingModels(pool),
         tokenization=ServingTokenization(engines),
-    )))
+    ), all_processes_metrics=settings.api_server_count > 1))
 
     # The last added runs first: metrics see every answer, CORS headers go on refusals too, and a
     # user's middleware sees requests before the key check, as in vLLM.

@@ -63,8 +63,8 @@ GATEWAY_FLAGS: list[tuple[str, dict[str, object]]] = [
 
 ROUTING_POLICIES = ["cache_aware", "least_load", "round_robin"]
 
-# The fleet's flags: how the gateway finds its workers, routes to them and survives their failures.
-# `taco_llm serve` takes the same ones and hands them to its gateway.
+# The fleet's flags: how the gateway finds its workers, routes to them, survives their failures, and
+# how many processes relay their streams. `taco_llm serve` takes the same ones and hands them on.
 ROUTING_FLAGS: list[tuple[str, dict[str, object]]] = [
     ("--routing", {"choices": ROUTING_POLICIES, "default": "cache_aware",
                    "help": "how a worker is chosen: cache_aware (prefix affinity weighed against load), "
@@ -93,6 +93,12 @@ ROUTING_FLAGS: list[tuple[str, dict[str, object]]] = [
     ("--cache-aware-offload-discount", {"type": float, "default": 0.75,
                                         "help": "what a prefix held by a worker's shared cache service is "
                                                 "worth next to one on the worker itself (default: 0.75)"}),
+    ("--api-server-count", {"type": int, "default": 1, "metavar": "N",
+                            "help": "gateway processes serving the port, as vLLM's flag (default: 1)"}),
+    ("--stream-interval", {"type": int, "default": 1, "metavar": "TOKENS",
+                           "help": "at most one streamed chunk per this many tokens of a choice, but for the "
+                                   "first token and the end, as vLLM's flag (default: 1: each token as it comes; "
+                                   "a busy gateway merges the tokens that are waiting anyway)"}),
     ("--otlp-traces-endpoint", {"default": None, "metavar": "URL",
                                 "help": "send OpenTelemetry traces over OTLP/gRPC to this collector "
                                         "(e.g. http://127.0.0.1:4317), as vLLM's flag of that name"}),
@@ -105,6 +111,6 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_routing_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("the fleet: discovery, routing and failover")
+    group = parser.add_argument_group("the fleet: discovery, routing, failover and the gateway's processes")
     for flag, kwargs in ROUTING_FLAGS:
         group.add_argument(flag, **kwargs)  # type: ignore[arg-type]

@@ -3,8 +3,9 @@ with its retries and migrations, is failover.EngineStream)."""
 
 from __future__ import annotations
 
+import asyncio
 import math
-from collections.abc import Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -178,3 +179,157 @@ async def collect(stream: EngineStream, n: int) -> Collected:
                 # A phase this gateway does not know: a newer worker; failing loudly beats a wrong answer.
                 raise APIError(500, "the engine sent a message of no phase this gateway knows")
     return result
+
+
+# A source's messages as the relay hands them on: (which source, message).
+Sourced = tuple[int, engine_pb2.GenerateResponse]
+
+# On a busy gateway an event waits for more of its stream's messages: up to this many, for at most this
+# long (about one decode step of a GPU engine).
+_MAX_BATCH = 32
+_MAX_DELAY = 0.02
+
+
+class LoopLoad:
+    """Whether this process's event loop is busy: a timer every PERIOD seconds sees how late it fires.
+    A saturated gateway reads one message per stream per turn of its loop, and turns get long; an
+    idle one turns in microseconds."""
+
+    PERIOD = 0.005
+    LATE = 0.002
+
+    def __init__(self) -> None:
+        self.busy = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._due = 0.0
+
+    def watch(self) -> None:
+        """Starts the timer on the running loop, where it does not run yet."""
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._loop = loop
+            self._due = loop.time() + self.PERIOD
+            loop.call_at(self._due, self._tick, loop)
+
+    def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        if loop is not self._loop:
+            return  # a loop that was replaced (tests run several)
+        now = loop.time()
+        self.busy = now - self._due > self.LATE
+        self._due = now + self.PERIOD
+        loop.call_at(self._due, self._tick, loop)
+
+
+LOOP_LOAD = LoopLoad()
+
+
+def _tokens_of(message: engine_pb2.GenerateResponse) -> int:
+    if message.WhichOneof("phase") != "delta":
+        return 0
+    choices = message.delta.choices
+    if len(choices) == 1:
+        return len(choices[0].token_ids)
+    return sum(len(c.token_ids) for c in choices)
+
+
+class _Coalescer:
+    """See `coalesced`: the sources' reading tasks fill `pending`; `batches` hands it on when ready."""
+
+    def __init__(self, count: int, stream_interval: int) -> None:
+        self.pending: list[Sourced] = []
+        self.stream_interval = stream_interval
+        self.running = count
+        self.failure: BaseException | None = None
+        # Whether `pending` may go out now.
+        self.ready = False
+        self.batches_out = 0
+        self._waiter: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._unsent_tokens = 0
+        # Whether each source's first token went out: that one is never held back.
+        self._started = [False] * count
+
+    def wake(self) -> None:
+        self.ready = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def add(self, index: int, message: engine_pb2.GenerateResponse) -> None:
+        pending = self.pending
+        pending.append((index, message))
+        if self.stream_interval > 1:
+            count = _tokens_of(message)
+            self._unsent_tokens += count
+            if self._unsent_tokens < self.stream_interval and count and self._started[index]:
+                return
+            self._started[index] = self._started[index] or count > 0
+        if self.ready or self._timer is not None:
+            if len(pending) >= _MAX_BATCH:
+                self.wake()
+        elif not LOOP_LOAD.busy or not self.batches_out:
+            self.wake()
+        else:
+            self._timer = asyncio.get_running_loop().call_later(_MAX_DELAY, self.wake)
+
+    async def pump(self, index: int, source: AsyncIterator[engine_pb2.GenerateResponse]) -> None:
+        try:
+            async for message in source:
+                self.add(index, message)
+        except Exception as error:  # APIError; `batches` raises it where the client would have seen it
+            if self.failure is None:
+                self.failure = error
+        finally:
+            self.running -= 1
+            self.wake()
+
+    async def take(self) -> list[Sourced] | None:
+        """The next batch; None at the end. Raises a source's failure after the messages before it."""
+        while True:
+            if not self.ready and self.running:
+                self._waiter = asyncio.get_running_loop().create_future()
+                await self._waiter
+                self._waiter = None
+            self.ready = False
+            if self.pending:
+                batch = self.pending[:]
+                self.pending.clear()
+                self._unsent_tokens = 0
+                self.batches_out += 1
+                return batch
+            if self.failure is not None:
+                raise self.failure
+            if not self.running:
+                return None
+
+
+async def coalesced(sources: list[AsyncIterator[engine_pb2.GenerateResponse]], *,
+                    stream_interval: int = 1) -> AsyncGenerator[list[Sourced], None]:
+    """The sources' messages in the order they arrive, handed on in batches: one event for every message
+    that arrived while the previous one was being written, so that a client (or a gateway) that falls
+    behind gets fewer, larger events instead of an ever longer queue. Each source is read by a task of
+    its own, so reading never waits on the client's socket.
+
+    While the gateway is busy (LOOP_LOAD) a batch also waits up to _MAX_DELAY for more messages: a
+    saturated gateway would otherwise pay a whole event (JSON, ASGI send, a socket write) per token
+    exactly when CPU is short. An idle one sends each message at once. With `stream_interval` N > 1
+    (vLLM's --stream-interval) a batch waits for N tokens, except a source's first token, any message
+    that is not a delta (`finished`) and the end. A source's APIError is raised after the messages that
+    came before it; leaving the loop early stops every source."""
+    LOOP_LOAD.watch()
+    state = _Coalescer(len(sources), stream_interval)
+    tasks = [asyncio.create_task(state.pump(i, s)) for i, s in enumerate(sources)]
+    try:
+        while (batch := await state.take()) is not None:
+            yield batch
+    finally:
+        state.stop()
+        for task in tasks:
+            task.cancel()

@@ -6,16 +6,23 @@ Every metric lives in the gateway's own registry, not prometheus_client's global
 same names would collide. vLLM's names are used where vLLM has the same measure (TTFT, inter-token
 latency, end-to-end latency, tokens, finished requests), so dashboards made for vLLM read the gateway.
 
+With --api-server-count N > 1 every process writes its values to files in PROMETHEUS_MULTIPROC_DIR
+(prometheus_client's multiprocess mode, set up by the parent before the children import this module) and
+/metrics renders `all_processes_registry`, which adds them up: counters and histograms sum; the worker
+gauges take the worst (circuit state), the least (ready) or the highest (load) of the processes' views.
+
 A plain ASGI wrapper rather than Starlette's BaseHTTPMiddleware, which re-queues every chunk of a
 streaming response through an extra task and memory stream: a cost paid per token.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.multiprocess import MultiProcessCollector
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -82,19 +89,79 @@ MIGRATIONS = Counter(
 )
 CIRCUIT_STATE = Gauge(
     "taco_llm_worker_circuit_state", "Each worker's circuit breaker: 0 closed, 1 half-open, 2 open", ["worker"],
-    registry=REGISTRY,
+    registry=REGISTRY, multiprocess_mode="livemax",
 )
 WORKER_READY = Gauge(
     "taco_llm_worker_ready", "1 while the worker is in the pool and serving, else 0", ["worker"], registry=REGISTRY,
+    multiprocess_mode="livemin",
 )
 WORKER_LOAD = Gauge(
     "taco_llm_worker_load",
     "Each worker's load: running and waiting requests and KV-cache usage (from GetLoad), and this "
-    "gateway's streams on it", ["worker", "kind"], registry=REGISTRY,
+    "gateway's streams on it", ["worker", "kind"], registry=REGISTRY, multiprocess_mode="livemax",
 )
 
+def all_processes_registry() -> CollectorRegistry:
+    """A registry of every API server process's metrics, read afresh from PROMETHEUS_MULTIPROC_DIR."""
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry)
+    return registry
+
+
+def _can_add_counts(child: Any) -> bool:
+    """Whether this prometheus_client's histogram child has the parts BatchedObserver adds counts to: its
+    bucket bounds, and bucket and sum values with inc(). prometheus_client has no public way to add n
+    observations at once; if a later release moves these, BatchedObserver observes one by one instead."""
+    bounds = getattr(child, "_upper_bounds", None)
+    buckets = getattr(child, "_buckets", None)
+    total = getattr(child, "_sum", None)
+    return (isinstance(bounds, list) and isinstance(buckets, list) and len(buckets) == len(bounds)
+            and all(hasattr(b, "inc") for b in buckets) and hasattr(total, "inc"))
+
+
+class BatchedObserver:
+    """A histogram child observed per engine message: counted here and added to the child every
+    FLUSH_EVERY observations (and by `flush`), since Histogram.observe takes a lock and scans the buckets
+    in Python for each value. The counts are the same; a scrape may see the last few late. Where the
+    child lacks the parts this needs (_can_add_counts), each value is observed at once."""
+
+    FLUSH_EVERY = 64
+    __slots__ = ("_batched", "_bounds", "_child", "_counts", "_sum", "_unflushed")
+
+    def __init__(self, child: Histogram) -> None:
+        self._child = child
+        self._batched = _can_add_counts(child)
+        self._bounds: list[float] = child._upper_bounds if self._batched else []
+        self._counts = [0] * len(self._bounds)
+        self._sum = 0.0
+        self._unflushed = 0
+
+    def observe(self, value: float) -> None:
+        if not self._batched:
+            self._child.observe(value)
+            return
+        # The first bucket whose upper bound is at least the value, as Histogram.observe picks.
+        self._counts[bisect.bisect_left(self._bounds, value)] += 1
+        self._sum += value
+        self._unflushed += 1
+        if self._unflushed >= self.FLUSH_EVERY:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._unflushed:
+            return
+        buckets = self._child._buckets
+        for i, count in enumerate(self._counts):
+            if count:
+                buckets[i].inc(count)
+                self._counts[i] = 0
+        self._child._sum.inc(self._sum)
+        self._sum = 0.0
+        self._unflushed = 0
+
+
 _ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health",
-           "/version", "/metrics"}
+           "/version", "/metrics", "/metrics/targets"}
 
 
 def observe_request(path: str, status: int, seconds: float) -> None:

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from .metrics import REGISTRY
+from .metrics import REGISTRY, all_processes_registry
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .serving_chat import ServingChat
 from .serving_completion import ServingCompletion
@@ -28,7 +28,8 @@ class Servings:
     tokenization: ServingTokenization
 
 
-def api_router(servings: Servings) -> APIRouter:
+def api_router(servings: Servings, *, all_processes_metrics: bool = False) -> APIRouter:
+    """all_processes_metrics: /metrics adds up every API server process's (--api-server-count)."""
     # The return annotations are FastAPI's response models: `Any` (no model) where a handler may return
     # a ready Response, `dict[str, Any]` where it returns JSON; they shape /openapi.json.
     router = APIRouter()
@@ -61,8 +62,13 @@ def api_router(servings: Servings) -> APIRouter:
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         return await servings.tokenization.detokenize(body)
 
+    @router.get("/metrics/targets")
+    async def metrics_targets() -> list[dict[str, Any]]:
+        return servings.models.metrics_targets()
+
     @router.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+        registry = all_processes_registry() if all_processes_metrics else REGISTRY
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return router

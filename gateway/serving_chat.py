@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -17,8 +18,10 @@ from .errors import APIError, bad_request
 from .failover import EngineStream
 from .from_engine import (
     ChoiceState,
+    Sourced,
     TokenText,
     chat_logprobs,
+    coalesced,
     collect,
     finish_reason,
     prompt_logprobs_json,
@@ -34,10 +37,13 @@ from .serving import EngineCalls, unless_disconnected, usage_options
 class ServingChat:
     """Made once per app, with the workers and the server's output options (from flags)."""
 
-    def __init__(self, engines: EngineCalls, *, response_role: str, token_text: TokenText) -> None:
+    def __init__(self, engines: EngineCalls, *, response_role: str, token_text: TokenText,
+                 stream_interval: int = 1) -> None:
         self.engines = engines
         self.response_role = response_role
         self.token_text = token_text
+        # vLLM's --stream-interval: at most one chunk per this many tokens (see from_engine.coalesced).
+        self.stream_interval = stream_interval
 
     async def create(self, body: ChatCompletionRequest,
                      request: Request) -> StreamingResponse | JSONResponse | dict[str, Any]:
@@ -95,54 +101,135 @@ class ServingChat:
         return message, finish_reason(c.parsed.finish_reason) or c.finish_reason
 
     async def _chunks(self, context: RequestContext, stream: EngineStream) -> AsyncIterator[bytes]:
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
-            return sse.chunk(context, "chat.completion.chunk", choices, usage)
-
         options = context.options
-        completion_tokens = 0
-        prompt_tokens = 0
+        form = sse.ChunkFormat(context, "chat.completion.chunk")
+        usage_so_far = _UsageSoFar() if options.continuous_usage and options.include_usage else None
         try:
-            for i in range(context.n):
-                yield chunk([{"index": i, "delta": {"role": self.response_role, "content": ""}, "logprobs": None,
-                              "finish_reason": None}])
-            async for message in stream.messages():
-                match message.WhichOneof("phase"):
-                    case "started":
-                        prompt_tokens = len(message.started.prompt_token_ids)
-                    case "finished":
-                        if options.include_usage:
-                            yield chunk([], usage_json(message.finished.usage))
-                    case "delta":
-                        choices = []
-                        for delta in message.delta.choices:
-                            completion_tokens += len(delta.token_ids)
-                            choice = self._chunk_choice(context, delta)
-                            if choice is not None:
-                                choices.append(choice)
-                        # continuous_usage_stats: every chunk carries the usage so far, as in vLLM's server.
-                        running_usage = None
-                        if options.continuous_usage:
-                            running_usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                             "total_tokens": prompt_tokens + completion_tokens}
-                        if choices:
-                            yield chunk(choices, running_usage)
+            yield form.chunk(sse.dumps({"index": i, "delta": {"role": self.response_role, "content": ""},
+                                        "logprobs": None, "finish_reason": None}) for i in range(context.n))
+            # aclosing: a client that leaves stops the reading task (and so the engine request) at once.
+            batches = coalesced([stream.messages()], stream_interval=self.stream_interval)
+            async with contextlib.aclosing(batches):
+                async for batch in batches:
+                    yield self._events(form, options, batch, usage_so_far)
         except APIError as error:
             yield sse.error_event(error)
         yield sse.DONE
 
-    def _chunk_choice(self, context: RequestContext, delta: engine_pb2.ChoiceDelta) -> dict[str, Any] | None:
-        """One choice of a chunk; None for a delta that shows the client nothing."""
-        content = _chat_delta(delta)
-        if not content and not delta.finish_reason and not delta.logprobs:
+    def _events(self, form: sse.ChunkFormat, options: OutputOptions, batch: list[Sourced],
+                usage_so_far: _UsageSoFar | None) -> bytes:
+        """The SSE events of the messages that came together: one chunk where their deltas merge safely
+        (see _merges), more where they do not, and the usage chunk at the end."""
+        out: list[str] = []
+        # choice index -> the deltas merged into the chunk being built
+        runs: dict[int, list[engine_pb2.ChoiceDelta]] = {}
+
+        def flush() -> None:
+            choices = [c for c in (self._choice_json(run, options) for run in runs.values()) if c is not None]
+            if choices:
+                out.append(form.text(choices) if usage_so_far is None else
+                           form.usage_chunk(usage_so_far.json(), choices).decode())
+            runs.clear()
+
+        for _, message in batch:
+            phase = message.WhichOneof("phase")
+            if phase == "delta":
+                for delta in message.delta.choices:
+                    if usage_so_far is not None:
+                        usage_so_far.completion_tokens += len(delta.token_ids)
+                    run = runs.get(delta.index)
+                    if run is None:
+                        runs[delta.index] = [delta]
+                    elif _merges(run[-1], delta):
+                        run.append(delta)
+                    else:
+                        flush()
+                        runs[delta.index] = [delta]
+                # Without continuous usage, a chunk's content does not depend on where it is cut.
+                if usage_so_far is not None:
+                    flush()
+            elif phase == "started":
+                if usage_so_far is not None:
+                    usage_so_far.prompt_tokens = len(message.started.prompt_token_ids)
+            elif phase == "finished":
+                flush()
+                if options.include_usage:
+                    out.append(form.usage_chunk(usage_json(message.finished.usage)).decode())
+        flush()
+        return "".join(out).encode()
+
+    def _choice_json(self, run: list[engine_pb2.ChoiceDelta], options: OutputOptions) -> str | None:
+        """One choice of a chunk, of one delta or several merged; None where it shows the client nothing."""
+        last = run[-1]
+        return_token_ids = options.return_token_ids
+        if last.WhichOneof("output") != "parsed" and not last.finish_reason and not return_token_ids:
+            # The common case, written without building a dict: text only, logprobs maybe.
+            text = last.text if len(run) == 1 else "".join(d.text for d in run)
+            logprobs = _run_logprobs(run)
+            if not text and not logprobs:
+                return None
+            delta_json = '{"content":' + sse.string(text) + "}" if text else "{}"
+            shown = sse.dumps(chat_logprobs(logprobs, self.token_text)) if logprobs else "null"
+            return f'{{"index":{last.index},"delta":{delta_json},"logprobs":{shown},"finish_reason":null}}'
+        content = _chat_delta(last) if len(run) == 1 else _merged_delta(run)
+        logprobs = _run_logprobs(run)
+        if not content and not last.finish_reason and not logprobs:
             return None
-        return {
-            "index": delta.index,
+        choice: dict[str, Any] = {
+            "index": last.index,
             "delta": content,
-            "logprobs": chat_logprobs(list(delta.logprobs), self.token_text) if delta.logprobs else None,
-            "finish_reason": finish_reason(delta.finish_reason),
-            **({"stop_reason": stop_reason(delta)} if delta.finish_reason else {}),
-            **({"token_ids": list(delta.token_ids)} if context.options.return_token_ids else {}),
+            "logprobs": chat_logprobs(logprobs, self.token_text) if logprobs else None,
+            "finish_reason": finish_reason(last.finish_reason),
         }
+        if last.finish_reason:
+            choice["stop_reason"] = stop_reason(last)
+        if return_token_ids:
+            choice["token_ids"] = [t for d in run for t in d.token_ids]
+        return sse.dumps(choice)
+
+
+class _UsageSoFar:
+    """continuous_usage_stats: every chunk carries the usage so far, as in vLLM's server."""
+
+    __slots__ = ("completion_tokens", "prompt_tokens")
+
+    def __init__(self) -> None:
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+
+    def json(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+def _merges(earlier: engine_pb2.ChoiceDelta, later: engine_pb2.ChoiceDelta) -> bool:
+    """Whether two consecutive deltas of a choice say the same as one: text after text, or parsed
+    content after parsed content, the earlier not the choice's last. Tool-call fragments are never
+    merged: each keeps its own chunk, with its id and name where it starts a call."""
+    if earlier.finish_reason:
+        return False
+    kind = earlier.WhichOneof("output")
+    if kind != later.WhichOneof("output"):
+        return False
+    if kind != "parsed":
+        return True
+    return not (earlier.parsed.tool_calls or later.parsed.tool_calls or later.parsed.HasField("whole"))
+
+
+def _merged_delta(run: list[engine_pb2.ChoiceDelta]) -> dict[str, Any]:
+    """The OpenAI delta of deltas that _merges joined."""
+    if run[-1].WhichOneof("output") != "parsed":
+        text = "".join(d.text for d in run)
+        return {"content": text} if text else {}
+    if not any(d.parsed.HasField("content") for d in run):
+        return {}
+    return {"content": "".join(d.parsed.content for d in run)}
+
+
+def _run_logprobs(run: list[engine_pb2.ChoiceDelta]) -> list[engine_pb2.TokenLogprob]:
+    if len(run) == 1:
+        return list(run[0].logprobs) if run[0].logprobs else []
+    return [item for d in run for item in d.logprobs]
 
 
 def _prefix_text(messages: list[ChatMessageParam]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,9 +22,13 @@ from .from_engine import (
     ChoiceState,
     TokenText,
     add_usage,
+    coalesced,
     collect,
     completion_logprobs,
+    delta_text,
+    finish_reason,
     prompt_logprobs_json,
+    stop_reason,
     usage_json,
 )
 from .protocol import CompletionRequest
@@ -43,9 +48,11 @@ class OpenPrompt:
 class ServingCompletion:
     """Made once per app, with the workers and the server's output options (from flags)."""
 
-    def __init__(self, engines: EngineCalls, *, token_text: TokenText) -> None:
+    def __init__(self, engines: EngineCalls, *, token_text: TokenText, stream_interval: int = 1) -> None:
         self.engines = engines
         self.token_text = token_text
+        # vLLM's --stream-interval: at most one chunk per this many tokens (see from_engine.coalesced).
+        self.stream_interval = stream_interval
 
     async def create(self, body: CompletionRequest,
                      request: Request) -> StreamingResponse | JSONResponse | dict[str, Any]:
@@ -133,68 +140,87 @@ class ServingCompletion:
                 "stop_reason": state.stop_reason}
 
     async def _chunks(self, context: RequestContext, batch: list[OpenPrompt]) -> AsyncIterator[bytes]:
-        # The prompts' streams run side by side; one queue merges them in the order they produce.
-        queue: asyncio.Queue[tuple[int, engine_pb2.GenerateResponse | APIError | None]] = asyncio.Queue()
-
-        async def pump(prompt_index: int, stream: EngineStream) -> None:
-            try:
-                async for message in stream.messages():
-                    await queue.put((prompt_index, message))
-            except APIError as error:
-                await queue.put((prompt_index, error))
-            finally:
-                await queue.put((prompt_index, None))
-
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
-            return sse.chunk(context, "text_completion", choices, usage)
-
         n = context.n
-        pumps = [asyncio.create_task(pump(i, p.stream)) for i, p in enumerate(batch)]
+        form = sse.ChunkFormat(context, "text_completion")
+        # Where each choice's next text starts in its whole text, for the logprobs' text_offset.
         offsets = {(p, i): len(prompt.echo) for p, prompt in enumerate(batch) for i in range(n)}
         usage: dict[str, Any] | None = None
-        running = len(batch)
         try:
             for p, prompt in enumerate(batch):
                 if prompt.echo:
-                    yield chunk([{"index": p * n + i, "text": prompt.echo, "logprobs": None, "finish_reason": None}
-                                 for i in range(n)])
-            while running:
-                prompt_index, item = await queue.get()
-                if item is None:
-                    running -= 1
-                    continue
-                if isinstance(item, APIError):
-                    # As vLLM's server ends a stream that failed midway; `finally` stops the other prompts.
-                    yield sse.error_event(item)
-                    yield sse.DONE
-                    return
-                match item.WhichOneof("phase"):
-                    case "finished":
-                        usage = add_usage(usage, usage_json(item.finished.usage))
-                    case "delta":
-                        choices = []
-                        for delta in item.delta.choices:
-                            key = (prompt_index, delta.index)
-                            state = ChoiceState(delta.index)
-                            state.add(delta)
-                            choice = self._choice(context, state, index=prompt_index * n + delta.index,
-                                                  text=state.text, offset=offsets[key])
-                            if context.options.return_token_ids:
-                                choice["token_ids"] = state.token_ids
-                            choices.append(choice)
-                            offsets[key] += len(state.text)
-                        if choices:
-                            yield chunk(choices)
-                    case _:
-                        pass  # `started`: nothing a completion stream shows (prompt logprobs are refused there)
-            if context.options.include_usage:
-                yield chunk([], usage)
+                    yield sse.chunk(context, "text_completion",
+                                    [{"index": p * n + i, "text": prompt.echo, "logprobs": None,
+                                      "finish_reason": None} for i in range(n)])
+            # The prompts' streams run side by side; their messages come in the order they arrive.
+            sources = coalesced([p.stream.messages() for p in batch], stream_interval=self.stream_interval)
+            async with contextlib.aclosing(sources):
+                async for messages in sources:
+                    # (prompt, choice) -> the deltas merged into the chunk being built
+                    runs: dict[tuple[int, int], list[engine_pb2.ChoiceDelta]] = {}
+                    out: list[str] = []
+                    for prompt_index, message in messages:
+                        phase = message.WhichOneof("phase")
+                        if phase == "delta":
+                            for delta in message.delta.choices:
+                                key = (prompt_index, delta.index)
+                                run = runs.get(key)
+                                if run is None:
+                                    runs[key] = [delta]
+                                elif run[-1].finish_reason:
+                                    out.append(form.text(self._choices_json(context, runs, offsets)))
+                                    runs = {key: [delta]}
+                                else:
+                                    run.append(delta)
+                        elif phase == "finished":
+                            usage = add_usage(usage, usage_json(message.finished.usage))
+                        # `started`: nothing a completion stream shows (prompt logprobs are refused there)
+                    if runs:
+                        out.append(form.text(self._choices_json(context, runs, offsets)))
+                    if out:
+                        yield "".join(out).encode()
+        except APIError as error:
+            # As vLLM's server ends a stream that failed midway; leaving `coalesced` stops the other prompts.
+            yield sse.error_event(error)
             yield sse.DONE
+            return
         finally:
-            for task in pumps:
-                task.cancel()
             for prompt in batch:
                 prompt.stream.close()
+        if context.options.include_usage:
+            yield form.usage_chunk(usage)
+        yield sse.DONE
+
+    def _choices_json(self, context: RequestContext, runs: dict[tuple[int, int], list[engine_pb2.ChoiceDelta]],
+                      offsets: dict[tuple[int, int], int]) -> list[str]:
+        """The choices of one chunk, each of one delta or of several of its choice's merged; advances
+        `offsets` past their text."""
+        options = context.options
+        choices = []
+        for key, run in runs.items():
+            index = key[0] * context.n + key[1]
+            last = run[-1]
+            text = delta_text(last) if len(run) == 1 else "".join(delta_text(d) for d in run)
+            if not last.finish_reason and not options.logprobs and not options.return_token_ids:
+                choices.append(f'{{"index":{index},"text":{sse.string(text)},"logprobs":null,'
+                               f'"finish_reason":null,"stop_reason":null}}')
+                offsets[key] += len(text)
+                continue
+            logprobs = None
+            if options.logprobs:
+                parts = []
+                for delta in run:
+                    parts.append(completion_logprobs(list(delta.logprobs), self.token_text, offsets[key]))
+                    offsets[key] += len(delta_text(delta))
+                logprobs = {field: [v for part in parts for v in part[field]] for field in parts[0]}
+            else:
+                offsets[key] += len(text)
+            choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs,
+                                      "finish_reason": finish_reason(last.finish_reason),
+                                      "stop_reason": stop_reason(last) if last.finish_reason else None}
+            if options.return_token_ids:
+                choice["token_ids"] = [t for d in run for t in d.token_ids]
+            choices.append(sse.dumps(choice))
+        return choices
 
 
 def _route_key(body: CompletionRequest, prompt: str | list[int]) -> RouteKey:

@@ -126,7 +126,8 @@ def _parser_and_flags() -> tuple[argparse.ArgumentParser, frozenset[str]]:
                            help="vLLM's flag: seconds a worker drains its requests on shutdown; serve waits "
                            "that long for its workers (plus a margin) before killing them"),
     ]
-    fleet = parser.add_argument_group("the fleet: discovery, routing and failover (handed to the gateway)")
+    fleet = parser.add_argument_group("the fleet: discovery, routing, failover and the gateway's processes "
+                                      "(handed to the gateway)")
     for name, kwargs in ROUTING_FLAGS:
         if name in BY_NAME:
             continue  # --otlp-traces-endpoint is in TACO's table already; parse() hands it to both

@@ -322,3 +322,31 @@ def test_app_factory_assembles_every_route() -> None:
     paths = {getattr(route, "path", None) for route in app.routes}
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health",
             "/version", "/metrics"} <= paths
+
+
+def test_batched_histogram_observations_equal_plain_ones() -> None:
+    """BatchedObserver adds counts through prometheus_client's private parts: it must still be able to
+    (else it silently falls back to plain observes, and the gateway pays per token again), and the
+    histogram it fills must read exactly as one observed value by value."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from taco_llm.gateway.metrics import BatchedObserver, _can_add_counts
+
+    registry = CollectorRegistry()
+    buckets = (0.001, 0.01, 0.1, 1.0)
+    plain = Histogram("plain_seconds", "values observed one by one", buckets=buckets, registry=registry)
+    batched = Histogram("batched_seconds", "values observed in batches", buckets=buckets, registry=registry)
+    assert _can_add_counts(batched), "prometheus_client's histogram changed: BatchedObserver no longer batches"
+    observer = BatchedObserver(batched)
+    values = [(i * 0.37) % 1.3 for i in range(1000)] + [0.001, 0.01, 1.0]  # bounds land in their own bucket
+    for value in values:
+        plain.observe(value)
+        observer.observe(value)
+    observer.flush()
+
+    def samples(name: str) -> list[tuple[str, dict[str, str], float]]:
+        return [(s.name.removeprefix(name), s.labels, round(s.value, 9))
+                for metric in registry.collect() if metric.name == name for s in metric.samples
+                if not s.name.endswith("_created")]
+
+    assert samples("batched_seconds") == samples("plain_seconds")

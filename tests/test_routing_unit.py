@@ -154,7 +154,7 @@ def test_new_prefixes_go_to_the_worker_holding_least_when_loads_tie() -> None:
     workers = [Worker("a:1"), Worker("b:1")]
     homes = []
     for i in range(6):
-        worker, reason, _ = _send(policy, workers, _text(f"topic{i}", 8))
+        worker, _, _ = _send(policy, workers, _text(f"topic{i}", 8))
         worker.load = 0  # one request at a time: the fleet is idle again before the next
         homes.append(worker.address)
     assert Counter(homes) == {"a:1": 3, "b:1": 3}, homes
