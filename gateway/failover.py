@@ -42,6 +42,7 @@ from .metrics import (
     REQUEST_SUCCESS,
     RETRIES,
     TIME_TO_FIRST_TOKEN,
+    BatchedObserver,
 )
 from .routing import Route, RouteKey
 
@@ -62,6 +63,17 @@ CLIENT_FAULT_CODES = frozenset({
 _WORKER_GONE_REASONS = frozenset({Reason.Name(Reason.ENGINE_DEAD), Reason.Name(Reason.WORKER_DRAINING)})
 # RETRIES' `code` for a stream that ended before its first message.
 EARLY_END = "EARLY_END"
+
+
+def _constrained(request: engine_pb2.GenerateRequest) -> bool:
+    """Whether the output follows a grammar: structured output, or a tool call forced through it
+    (tool_choice "required" or a named function)."""
+    if request.sampling.structured_output.WhichOneof("kind") is not None:
+        return True
+    if request.WhichOneof("input") != "chat" or not request.chat.HasField("tool_choice"):
+        return False
+    choice = request.chat.tool_choice
+    return choice.WhichOneof("kind") == "struct_value" or choice.string_value == "required"
 
 
 def is_worker_fault(error: grpc.aio.AioRpcError) -> bool:
@@ -107,7 +119,7 @@ class _Meter:
 
     def __init__(self, model: str, arrival: float):
         self.model = model
-        self.inter_token = INTER_TOKEN_LATENCY.labels(model)
+        self.inter_token = BatchedObserver(INTER_TOKEN_LATENCY.labels(model))
         self.arrival = arrival
         self.last = 0.0  # 0: no token yet
         self.generated = 0
@@ -125,6 +137,7 @@ class _Meter:
         PROMPT_TOKENS.labels(self.model).inc(usage.prompt_tokens)
 
     def closed(self) -> None:
+        self.inter_token.flush()
         if self.generated:
             GENERATION_TOKENS.labels(self.model).inc(self.generated)
 
@@ -157,8 +170,11 @@ class EngineStream:
         self._first: engine_pb2.GenerateResponse | None = None
         self._finished = False
         self._closed = False
+        # A stream that has relayed output can be resumed only with one choice and no grammar: vLLM cannot
+        # advance a grammar over tokens it did not sample (engine.proto, Resume), so a worker refuses it.
+        self._resumable_with_output = self.n == 1 and not _constrained(request)
         # Choice 0's output token ids relayed so far: a migration's resume. Kept only where one may happen.
-        self._keep_ids = self.n == 1 and policy.max_migrations > 0
+        self._keep_ids = self._resumable_with_output and policy.max_migrations > 0
         # An array: 4 bytes a token, and extended from protobuf faster than a list.
         self._output_ids = array.array("I")
         self._relayed_delta = False
@@ -318,8 +334,8 @@ class EngineStream:
             # Resuming a finished choice would generate past its end; only the usage is missing.
             return engine_pb2.GenerateResponse(request_id=self.request.request_id, finished=engine_pb2.Finished(
                 usage=engine_pb2.Usage(prompt_tokens=self._prompt_tokens, completion_tokens=self._meter.generated)))
-        # Before any delta the client has seen nothing a fresh request would not repeat: any n will do.
-        resumable = self.n == 1 or not self._relayed_delta
+        # Before any delta the client has seen nothing a fresh request would not repeat: any request will do.
+        resumable = self._resumable_with_output or not self._relayed_delta
         budget = self.policy.max_migrations - self.migrations
         if not resumable or budget <= 0:
             MIGRATIONS.labels("not_resumable").inc()

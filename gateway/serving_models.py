@@ -1,4 +1,5 @@
-"""/v1/models, /version and /health: what the ready workers serve, from the pool's health checks."""
+"""/v1/models, /version, /health and /metrics/targets: what the workers serve and where their own
+metrics are, from the pool's health checks."""
 
 from __future__ import annotations
 
@@ -38,3 +39,16 @@ class ServingModels:
         if not data:
             raise self.pool.unavailable()
         return {"object": "list", "data": data}
+
+    def metrics_targets(self) -> list[dict[str, Any]]:
+        """The workers' own /metrics endpoints, in Prometheus' HTTP service-discovery format: one group
+        per worker whose ModelInfo has a metrics_port, on the host the gateway dials it at. Workers that
+        are down are listed too (while the pool knows them), so that Prometheus sees them down."""
+        groups = []
+        for client in self.pool.clients:
+            if client.info is None or not client.info.metrics_port:
+                continue
+            host = client.address.rpartition(":")[0]
+            groups.append({"targets": [f"{host}:{client.info.metrics_port}"],
+                           "labels": {"worker": client.address, "model": client.info.served_model_names[0]}})
+        return groups

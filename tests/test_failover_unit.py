@@ -312,6 +312,18 @@ async def test_n_above_one_is_not_resumed_mid_stream() -> None:
     assert counter("taco_llm_router_migrations_total", {"outcome": "not_resumable"}) == before + 1
 
 
+async def test_structured_output_is_not_resumed_mid_stream() -> None:
+    """A worker cannot continue a grammar from tokens it did not sample (it refuses such a resume), so
+    the gateway ends the stream with an error event rather than resubmitting it."""
+    before = counter("taco_llm_router_migrations_total", {"outcome": "not_resumable"})
+    async with fake_engines(Behaviour(die_after=2), Behaviour()) as engines, gateway(engines) as (client, _):
+        body = chat_body(stream=True, response_format={"type": "json_object"})
+        events = sse_events((await client.post("/v1/chat/completions", json=body)).text)
+        assert events[-1] == "[DONE]" and "error" in events[-2], events[-2:]
+        assert not engines[1][1].requests, "nothing was resubmitted"
+    assert counter("taco_llm_router_migrations_total", {"outcome": "not_resumable"}) == before + 1
+
+
 async def test_request_metrics_carry_the_response_model_name() -> None:
     def sample(name: str, **labels: str) -> float:
         return counter(name, {"model_name": MODEL, **labels})

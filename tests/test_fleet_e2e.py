@@ -10,6 +10,7 @@ waits for serve to restart it and for the gateway to take it back before the nex
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -254,6 +255,16 @@ def test_metrics_parse_and_move(fleet: Fleet, fleet_client: openai.OpenAI) -> No
     for index in range(NUM_WORKERS):
         assert fleet.gateway_value("taco_llm_worker_load", worker=fleet.worker_address(index),
                                    kind="running") >= 0
+
+
+def test_the_workers_metrics_are_found_through_the_gateway(fleet: Fleet) -> None:
+    with urllib.request.urlopen(f"{fleet.base_url}/metrics/targets", timeout=10) as reply:
+        groups = json.load(reply)
+    targets = {group["labels"]["worker"]: group["targets"] for group in groups}
+    assert targets == {fleet.worker_address(i): [f"127.0.0.1:{fleet.metrics_ports[i]}"] for i in range(NUM_WORKERS)}
+    for [target] in targets.values():
+        with urllib.request.urlopen(f"http://{target}/metrics", timeout=10) as reply:
+            assert "vllm:" in reply.read().decode()
 
 
 def test_one_trace_spans_gateway_and_worker(fleet: Fleet, fleet_client: openai.OpenAI) -> None:
