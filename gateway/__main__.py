@@ -47,6 +47,8 @@ def parse(argv: Sequence[str] | None) -> GatewaySettings:
         parser.error(f"--api-server-count {args.api_server_count} is not a number of processes (1 or more)")
     if args.stream_interval < 1:
         parser.error(f"--stream-interval {args.stream_interval} is not a number of tokens (1 or more)")
+    if args.shutdown_timeout < 0:
+        parser.error(f"--shutdown-timeout {args.shutdown_timeout} is not a number of seconds (0 or more)")
     if not args.engine and not args.registry_url:
         parser.error("workers are needed: at least one --engine HOST:PORT, or a --registry-url where they register")
     for address in args.engine:
@@ -92,6 +94,7 @@ def parse(argv: Sequence[str] | None) -> GatewaySettings:
         api_server_count=args.api_server_count,
         api_server_index=args.api_server_index,
         stream_interval=args.stream_interval,
+        shutdown_timeout=args.shutdown_timeout,
     )
 
 
@@ -133,7 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{' and '.join(workers)}, routing {settings.routing}", flush=True)
     tls = settings.tls.uvicorn_kwargs() if settings.tls else {}
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.uvicorn_log_level,
-                            access_log=settings.uvicorn_log_level in ("debug", "trace"), timeout_graceful_shutdown=5,
+                            access_log=settings.uvicorn_log_level in ("debug", "trace"),
+                            timeout_graceful_shutdown=settings.shutdown_timeout,
                             **tls)  # type: ignore[arg-type]
     server = uvicorn.Server(config)
     if settings.api_server_index is None:

@@ -66,6 +66,8 @@ class GatewaySettings:
     tls: TlsOptions | None = None
     # --stream-interval: at most one chunk per this many tokens of a choice (see from_engine.coalesced).
     stream_interval: int = 1
+    # Seconds the streams under way get to finish on SIGTERM (--shutdown-timeout).
+    shutdown_timeout: int = 5
     # --api-server-count: gateway processes on the port; api_server_index: which one this is (None: the
     # only one, or the parent that starts them).
     api_server_count: int = 1

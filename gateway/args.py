@@ -55,6 +55,9 @@ GATEWAY_FLAGS: list[tuple[str, dict[str, object]]] = [
     ("--ssl-cert-reqs", {"type": cert_reqs, "default": 0,
                          "help": "client certificates: 0 not asked for, 1 optional, 2 required "
                                  "(the ssl module's CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED)"}),
+    ("--shutdown-timeout", {"type": int, "default": 5, "metavar": "SECONDS",
+                            "help": "on SIGTERM, stop accepting and let the streams under way finish for this "
+                                    "long before closing them, as vLLM's flag of that name (default: 5)"}),
     ("--middleware", {"action": "append", "default": [], "metavar": "MODULE.ATTR",
                       "help": "extra ASGI middleware by import path; repeatable. A function becomes "
                               "@app.middleware('http'), a class is added with app.add_middleware()"}),

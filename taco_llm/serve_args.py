@@ -290,7 +290,9 @@ def parse(argv: Sequence[str]) -> ServeArgs:
         gateway_argv += ["--engine-api-key", api_key]
     gateway_argv += _fleet_argv(namespace, given, worker_argv)
     if namespace.shutdown_timeout is not None:
+        # The gateway too finishes its streams until then (it is stopped first, then the workers).
         worker_argv += ["--shutdown-timeout", str(namespace.shutdown_timeout)]
+        gateway_argv += ["--shutdown-timeout", str(namespace.shutdown_timeout)]
     per_worker = _devices_per_worker(given, errors)
     if namespace.num_workers < 1:
         errors.append(f"--num-workers {namespace.num_workers}: at least one engine worker is needed")

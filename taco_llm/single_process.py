@@ -56,7 +56,7 @@ async def _run(worker_args: WorkerArgs, settings: GatewaySettings) -> int:
     config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
                             log_level=settings.uvicorn_log_level,
                             access_log=settings.uvicorn_log_level in ("debug", "trace"),
-                            timeout_graceful_shutdown=5, **tls)  # type: ignore[arg-type]
+                            timeout_graceful_shutdown=settings.shutdown_timeout, **tls)  # type: ignore[arg-type]
     gateway = _GatewayServer(config)
     worker_task = asyncio.create_task(serve_worker(worker_args, stop, hurry=hurry), name="engine-worker")
     gateway_task = asyncio.create_task(_serve_gateway(gateway), name="gateway")

@@ -253,7 +253,7 @@ def test_each_worker_gets_its_ports_and_the_gateway_all_of_them() -> None:
     assert gateway[:6] == ["--engine", "127.0.0.1:6000", "--engine", "127.0.0.1:6001", "--engine", "127.0.0.1:6002"]
     assert dict(zip(gateway[6::2], gateway[7::2], strict=True)) == {
         "--routing": "least_load", "--max-retries": "4", "--registry-url": "redis://r:6379/1",
-        "--otlp-traces-endpoint": "http://collector:4317"}
+        "--otlp-traces-endpoint": "http://collector:4317", "--shutdown-timeout": "30"}
 
 
 def test_the_cache_service_port_moves_past_the_workers_and_clashes_are_refused() -> None:
