@@ -75,6 +75,10 @@ class CircuitBreaker:
         """Feeds one request's outcome; returns the state after it."""
         state = self.state(now)
         if not worker_fault:
+            if state is BreakerState.OPEN:
+                # A late answer to a request sent before the breaker opened: the cool-down stands (only
+                # the half-open trial may close it).
+                return state
             # The worker answered (even a refusal of bad input is an answer): the run of faults is over.
             self.failures = 0
             if state is not BreakerState.CLOSED:

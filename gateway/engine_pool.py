@@ -217,13 +217,15 @@ class EnginePool:
             self._start_watch(client)
 
     async def close(self) -> None:
+        # Taken before the tasks are cancelled: a cancelled _retire removes its client from _retiring.
+        retiring = list(self._retiring)
         tasks = [*self._watchers.values(), *self._retiring.values()]
         if self._discovery is not None:
             tasks.append(self._discovery)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        channels = [c.channel for c in [*self.clients, *self._retiring] if c.channel is not None]
+        channels = [c.channel for c in [*self.clients, *retiring] if c.channel is not None]
         await asyncio.gather(*(channel.close() for channel in channels), return_exceptions=True)
         if self._registry is not None:
             await self._registry.close()
@@ -318,6 +320,12 @@ class EnginePool:
     @staticmethod
     def _drop_metrics(address: str) -> None:
         # Another member may still have this address (it left and came back): it republishes next tick.
+        # Zeroed first: in prometheus_client's multiprocess mode (--api-server-count > 1) remove() keeps
+        # the series, which would then show a departed worker as ready, with its last load, for good.
+        WORKER_READY.labels(address).set(0)
+        CIRCUIT_STATE.labels(address).set(0)
+        for kind in _LOAD_KINDS:
+            WORKER_LOAD.labels(address, kind).set(0)
         with contextlib.suppress(KeyError):
             WORKER_READY.remove(address)
         with contextlib.suppress(KeyError):

@@ -65,6 +65,17 @@ _WORKER_GONE_REASONS = frozenset({Reason.Name(Reason.ENGINE_DEAD), Reason.Name(R
 EARLY_END = "EARLY_END"
 
 
+def _resumable_with_output(request: engine_pb2.GenerateRequest) -> bool:
+    """Whether a worker can continue this request from output already relayed (engine.proto, Resume):
+    one choice, no grammar (vLLM cannot advance one over tokens it did not sample), no stop strings (vLLM
+    holds back text for them that the client never got, and one could span the resume point), and no
+    presence or frequency penalty (vLLM applies them to output tokens only; resumed tokens are prompt)."""
+    sampling = request.sampling
+    if (sampling.n or 1) != 1 or sampling.stop or sampling.presence_penalty or sampling.frequency_penalty:
+        return False
+    return not _constrained(request)
+
+
 def _constrained(request: engine_pb2.GenerateRequest) -> bool:
     """Whether the output follows a grammar: structured output, or a tool call forced through it
     (tool_choice "required" or a named function)."""
@@ -170,9 +181,7 @@ class EngineStream:
         self._first: engine_pb2.GenerateResponse | None = None
         self._finished = False
         self._closed = False
-        # A stream that has relayed output can be resumed only with one choice and no grammar: vLLM cannot
-        # advance a grammar over tokens it did not sample (engine.proto, Resume), so a worker refuses it.
-        self._resumable_with_output = self.n == 1 and not _constrained(request)
+        self._resumable_with_output = _resumable_with_output(request)
         # Choice 0's output token ids relayed so far: a migration's resume. Kept only where one may happen.
         self._keep_ids = self._resumable_with_output and policy.max_migrations > 0
         # An array: 4 bytes a token, and extended from protobuf faster than a list.

@@ -265,16 +265,20 @@ class _Coalescer:
     def add(self, index: int, message: engine_pb2.GenerateResponse) -> None:
         pending = self.pending
         pending.append((index, message))
+        count = _tokens_of(message)
+        # A source's first token goes out at once, whatever the interval and the loop's load: it is
+        # the client's time to first token.
+        first_token = count > 0 and not self._started[index]
+        if first_token:
+            self._started[index] = True
         if self.stream_interval > 1:
-            count = _tokens_of(message)
             self._unsent_tokens += count
-            if self._unsent_tokens < self.stream_interval and count and self._started[index]:
+            if count and not first_token and self._unsent_tokens < self.stream_interval:
                 return
-            self._started[index] = self._started[index] or count > 0
         if self.ready or self._timer is not None:
-            if len(pending) >= _MAX_BATCH:
+            if first_token or len(pending) >= _MAX_BATCH:
                 self.wake()
-        elif not LOOP_LOAD.busy or not self.batches_out:
+        elif first_token or not LOOP_LOAD.busy or not self.batches_out:
             self.wake()
         else:
             self._timer = asyncio.get_running_loop().call_later(_MAX_DELAY, self.wake)

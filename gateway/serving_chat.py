@@ -114,6 +114,10 @@ class ServingChat:
                     yield self._events(form, options, batch, usage_so_far)
         except APIError as error:
             yield sse.error_event(error)
+        finally:
+            # A client that leaves during the role chunk never starts messages(), whose own `finally`
+            # would close the stream: close it here, or its worker keeps the stream on its books.
+            stream.close()
         yield sse.DONE
 
     def _events(self, form: sse.ChunkFormat, options: OutputOptions, batch: list[Sourced],

@@ -456,11 +456,3 @@ def worker_environments(args: ServeArgs) -> tuple[list[dict[str, str]], list[str
     if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return [{} for _ in range(args.num_workers)], warnings
     return [{"VLLM_CPU_OMP_THREADS_BIND": group} for group in split_cores(cores, args.num_workers)], warnings
-    devices = gpu_devices()
-    if devices is not None:
-        return split_devices(devices, args.num_workers, args.devices_per_worker), []
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if args.num_workers > max(1, cores // 2):
-        return None, [f"--num-workers {args.num_workers}: the CPU engines share this machine's {cores} cores; "
-                      "each runs slower than one engine alone would"]
-    return None, []

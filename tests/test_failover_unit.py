@@ -312,12 +312,16 @@ async def test_n_above_one_is_not_resumed_mid_stream() -> None:
     assert counter("taco_llm_router_migrations_total", {"outcome": "not_resumable"}) == before + 1
 
 
-async def test_structured_output_is_not_resumed_mid_stream() -> None:
-    """A worker cannot continue a grammar from tokens it did not sample (it refuses such a resume), so
-    the gateway ends the stream with an error event rather than resubmitting it."""
+@pytest.mark.parametrize("extra", [{"response_format": {"type": "json_object"}}, {"stop": ["never"]},
+                                   {"presence_penalty": 0.5}, {"frequency_penalty": 0.5}],
+                         ids=["structured_output", "stop", "presence_penalty", "frequency_penalty"])
+async def test_what_a_worker_cannot_continue_is_not_resumed_mid_stream(extra: dict[str, object]) -> None:
+    """A worker cannot continue a grammar from tokens it did not sample, find a stop string across the
+    resume point, or penalise resumed tokens as output (engine.proto, Resume), so the gateway ends such a
+    stream with an error event rather than resubmitting it."""
     before = counter("taco_llm_router_migrations_total", {"outcome": "not_resumable"})
     async with fake_engines(Behaviour(die_after=2), Behaviour()) as engines, gateway(engines) as (client, _):
-        body = chat_body(stream=True, response_format={"type": "json_object"})
+        body = chat_body(stream=True, **extra)
         events = sse_events((await client.post("/v1/chat/completions", json=body)).text)
         assert events[-1] == "[DONE]" and "error" in events[-2], events[-2:]
         assert not engines[1][1].requests, "nothing was resubmitted"
