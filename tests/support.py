@@ -123,11 +123,13 @@ def start_stack(name: str, extra: list[str], log_dir: Path) -> Stack:
 
 @dataclass
 class RedisServer:
-    """A real redis-server on a free port, with append-only persistence in its own folder."""
+    """A real redis-server on a free port, restartable on it: with append-only persistence in its own
+    folder, or (persist=False) with none, so that a restart comes back empty."""
 
     port: int
     folder: Path
     popen: subprocess.Popen[bytes] | None = None
+    persist: bool = True
 
     @property
     def url(self) -> str:
@@ -138,7 +140,8 @@ class RedisServer:
         log = (self.folder / "redis.log").open("ab")
         self.popen = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder),
-             "--appendonly", "yes", "--appendfsync", "always", "--save", ""],
+             *(["--appendonly", "yes", "--appendfsync", "always"] if self.persist else ["--appendonly", "no"]),
+             "--save", ""],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         deadline = time.monotonic() + 20

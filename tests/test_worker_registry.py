@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import subprocess
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 import redis
@@ -17,54 +15,21 @@ from taco_llm.engine_worker.frontend.registry import Registrar, registry_options
 from taco_llm.protos import registry_pb2
 from taco_llm.protos.registry_keys import DEFAULT_TTL_SECONDS, REGISTRY_KEY_PREFIX
 
-from .support import free_port
+from .support import RedisServer, free_port
 
 TTL = 1.5  # seconds: short, so that expiry is seen quickly
 
 
-class Redis:
-    """A throwaway redis-server without persistence, restartable on the same port."""
-
-    def __init__(self, port: int, folder: Path):
-        self.port = port
-        self.folder = folder
-        self.popen: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.popen = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.folder)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        )
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", self.port)) == 0:
-                    return
-            time.sleep(0.05)
-        raise RuntimeError(f"redis-server did not listen on {self.port}")
-
-    def stop(self) -> None:
-        if self.popen is not None and self.popen.poll() is None:
-            self.popen.terminate()
-            self.popen.wait(20)
-        self.popen = None
-
-
 @pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Redis]:
-    server = Redis(free_port(), tmp_path_factory.mktemp("redis"))
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(free_port(), tmp_path_factory.mktemp("redis"), persist=False)
     server.start()
     yield server
     server.stop()
 
 
 @pytest.fixture
-def reader(redis_server: Redis) -> Iterator[redis.Redis]:
+def reader(redis_server: RedisServer) -> Iterator[redis.Redis]:
     """A plain (blocking) client: each of its calls is a local round trip, too short to starve the loop."""
     client = redis.Redis.from_url(redis_server.url)
     client.flushdb()
@@ -90,7 +55,7 @@ async def _wait_for(condition: Callable[[], bool], timeout: float) -> bool:
     return False
 
 
-async def test_the_record_appears_with_its_ttl_and_stop_deletes_it(redis_server: Redis,
+async def test_the_record_appears_with_its_ttl_and_stop_deletes_it(redis_server: RedisServer,
                                                                    reader: redis.Redis) -> None:
     registrar = Registrar(redis_server.url, "10.1.2.3:50051", ["m", "m-lora"], ttl=TTL)
     await registrar.start()
@@ -108,7 +73,7 @@ async def test_the_record_appears_with_its_ttl_and_stop_deletes_it(redis_server:
     assert reader.get(registrar.key) is None, "stop deletes the key at once"
 
 
-async def test_heartbeats_keep_the_record_past_its_ttl(redis_server: Redis, reader: redis.Redis) -> None:
+async def test_heartbeats_keep_the_record_past_its_ttl(redis_server: RedisServer, reader: redis.Redis) -> None:
     registrar = Registrar(redis_server.url, "h:1", ["m"], ttl=TTL)
     await registrar.start()
     try:
@@ -122,7 +87,7 @@ async def test_heartbeats_keep_the_record_past_its_ttl(redis_server: Redis, read
         await registrar.stop()
 
 
-async def test_a_stopped_heartbeat_expires_within_the_ttl(redis_server: Redis, reader: redis.Redis) -> None:
+async def test_a_stopped_heartbeat_expires_within_the_ttl(redis_server: RedisServer, reader: redis.Redis) -> None:
     registrar = Registrar(redis_server.url, "h:1", ["m"], ttl=TTL)
     await registrar.start()
     assert registrar.heartbeats is not None
@@ -134,7 +99,7 @@ async def test_a_stopped_heartbeat_expires_within_the_ttl(redis_server: Redis, r
     await registrar.client.aclose()
 
 
-async def test_a_redis_restart_is_survived(redis_server: Redis, reader: redis.Redis,
+async def test_a_redis_restart_is_survived(redis_server: RedisServer, reader: redis.Redis,
                                            caplog: pytest.LogCaptureFixture) -> None:
     registrar = Registrar(redis_server.url, "h:1", ["m"], ttl=TTL)
     await registrar.start()
