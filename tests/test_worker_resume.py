@@ -12,11 +12,16 @@ from typing import Any
 import grpc
 import pytest
 
+from taco_llm.engine_worker.frontend.outputs import ResumedText
 from taco_llm.engine_worker.frontend.tools import ToolCalling, tool_parser_class
 from taco_llm.protos import engine_pb2, engine_pb2_grpc, rich_status
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 40
+
+
+# Byte-level BPE splits each of these characters over several tokens, and the model repeats them.
+EMOJI_PROMPT = 'Repeat this exactly three times: "😀🙂👍 你好世界"'
 
 
 class Run:
@@ -27,18 +32,30 @@ class Run:
         assert phases[0] == "started" and phases[-1] == "finished", phases
         self.started = messages[0].started
         self.usage = messages[-1].finished.usage
-        choices = [c for m in messages if m.WhichOneof("phase") == "delta" for c in m.delta.choices]
-        self.ids = [t for c in choices for t in c.token_ids]
-        self.text = "".join(c.text for c in choices)
-        self.finish_reason = choices[-1].finish_reason
+        self.choices = [c for m in messages if m.WhichOneof("phase") == "delta" for c in m.delta.choices]
+        self.ids = [t for c in self.choices for t in c.token_ids]
+        self.text = "".join(c.text for c in self.choices)
+        self.finish_reason = self.choices[-1].finish_reason
+
+    def relayed(self, count: int) -> str | None:
+        """The text the stream had relayed with its first `count` tokens (None: no delta ended there)."""
+        sent, text = 0, ""
+        for choice in self.choices:
+            if sent == count:
+                return text
+            sent += len(choice.token_ids)
+            text += choice.text
+        return text if sent == count else None
 
 
-def _request(kind: str, *, resume: list[int] | None = None, **sampling: Any) -> engine_pb2.GenerateRequest:
+def _request(kind: str, *, resume: list[int] | None = None, content: str = "",
+             **sampling: Any) -> engine_pb2.GenerateRequest:
     request = engine_pb2.GenerateRequest(model=MODEL, sampling=engine_pb2.SamplingParams(**sampling))
     if kind == "text":
         request.text = "The three most famous rivers of Europe are"
     else:
-        request.chat.messages.add(role="user", content="Tell me a short story about a lighthouse keeper.")
+        request.chat.messages.add(role="user",
+                                  content=content or "Tell me a short story about a lighthouse keeper.")
     if resume is not None:
         request.resume.output_token_ids.extend(resume)
     return request
@@ -72,6 +89,22 @@ def test_a_resumed_greedy_stream_continues_the_uninterrupted_one(engine: engine_
 
 
 @pytest.mark.e2e
+def test_a_stream_resumed_inside_a_character_shows_each_character_once(engine: engine_pb2_grpc.EngineStub) -> None:
+    whole = Run(list(engine.Generate(_request("chat", content=EMOJI_PROMPT, temperature=0, max_tokens=24))))
+    assert "😀" in whole.text and "你好" in whole.text, whole.text
+    assert any(not c.text for c in whole.choices[:20]), "some characters must span several tokens"
+    for k in range(1, 21):
+        sent = whole.relayed(k)
+        assert sent is not None, "vLLM relays one token per delta"
+        rest = Run(list(engine.Generate(_request("chat", content=EMOJI_PROMPT, resume=whole.ids[:k],
+                                                 temperature=0, max_tokens=24))))
+        assert whole.ids[:k] + rest.ids == whole.ids, f"resumed after {k} tokens"
+        assert sent + rest.text == whole.text, f"resumed after {k} tokens: {sent!r} + {rest.text!r}"
+        for choice in rest.choices:
+            assert "Repeat this" not in choice.text and "assistant" not in choice.text, (k, choice.text)
+
+
+@pytest.mark.e2e
 def test_resume_without_max_tokens_runs_to_the_end_of_the_context(engine: engine_pb2_grpc.EngineStub) -> None:
     first = Run(list(engine.Generate(_request("text", temperature=0, max_tokens=3))))
     rest = Run(list(engine.Generate(_request("text", resume=first.ids, temperature=0, min_tokens=5))))
@@ -92,6 +125,12 @@ def test_resume_refusals_name_their_field(engine: engine_pb2_grpc.EngineStub) ->
          grpc.StatusCode.INVALID_ARGUMENT, "FIELD_INVALID", "resume"),
         (_request("chat", resume=ids, temperature=0, max_tokens=20,
                   structured_output=engine_pb2.StructuredOutput(json_object=True)),
+         grpc.StatusCode.INVALID_ARGUMENT, "FIELD_INVALID", "resume"),
+        (_request("text", resume=ids, temperature=0, max_tokens=20, presence_penalty=0.5),
+         grpc.StatusCode.INVALID_ARGUMENT, "FIELD_INVALID", "resume"),
+        (_request("text", resume=ids, temperature=0, max_tokens=20, frequency_penalty=-0.5),
+         grpc.StatusCode.INVALID_ARGUMENT, "FIELD_INVALID", "resume"),
+        (_request("text", resume=ids, temperature=0, max_tokens=20, stop=["river"]),
          grpc.StatusCode.INVALID_ARGUMENT, "FIELD_INVALID", "resume"),
         (_request("text", resume=[*ids, 10**7], temperature=0, max_tokens=20),
          grpc.StatusCode.INVALID_ARGUMENT, "TOKEN_OUT_OF_VOCABULARY", "resume.output_token_ids"),
@@ -146,7 +185,8 @@ def test_the_tool_parser_continues_a_resumed_call(tokenizer: Any) -> None:
     for k in range(3, len(ids) - 1, 4):  # before, inside and after the call's opening
         before = _streamed(whole[:k])
         parser = tools.choice_parser()
-        parser.replay(ids[:k], [1, 2, 3], skip_special_tokens=False)
+        resumed = ResumedText(tokenizer, [1, 2, 3], ids[:k], skip_special_tokens=False)
+        parser.replay(resumed.pieces(), [1, 2, 3])
         after = _feed(parser, tokenizer, ids[k:], last=True)
         rest = _streamed(after)
         assert tuple(a + b for a, b in zip(before, rest, strict=True)) == (content, names, arguments), k
@@ -155,3 +195,19 @@ def test_the_tool_parser_continues_a_resumed_call(tokenizer: Any) -> None:
         (call,) = last.parsed.whole.tool_calls
         assert (call.function_name, json.loads(call.function_arguments)) == ("get_weather", {"city": "Paris"})
         assert last.parsed.whole.content.strip() == "Let me check."
+
+
+def test_resumed_text_continues_inside_a_character(tokenizer: Any) -> None:
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": EMOJI_PROMPT}], add_generation_prompt=True)
+    if not isinstance(prompt, list):
+        prompt = prompt["input_ids"]
+    output = tokenizer.encode(" hello 😀🙂 world 你好", add_special_tokens=False)
+    whole = tokenizer.decode(output)
+    for k in range(1, len(output)):
+        resumed = ResumedText(tokenizer, prompt, output[:k], skip_special_tokens=True)
+        assert whole.startswith(resumed.shown) and not resumed.shown.endswith("\ufffd"), k
+        assert "".join(text for text, _ in resumed.pieces()) == resumed.shown, k
+        assert [i for _, ids in resumed.pieces() for i in ids] == output[:k], k
+        deltas = [resumed.delta([token], finished=i == len(output) - 1) for i, token in enumerate(output[k:], k)]
+        assert resumed.shown + "".join(deltas) == whole, k
+        assert all("\ufffd" not in delta for delta in deltas), k

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from vllm.logprobs import Logprob
 from vllm.outputs import CompletionOutput, RequestOutput
 
 from taco_llm.protos import engine_pb2
 
+from ..vllm_internals import TokenizerLike
 from .tools import ChoiceToolParser, ToolRequest
+
+# The prompt ids a resumed choice's text is decoded after: enough for a tokenizer that drops the leading
+# space of a text's first word (SentencePiece) to keep it, as vLLM's own detokenizer keeps it.
+RESUME_CONTEXT_TOKENS = 6
+INCOMPLETE = "\ufffd"  # what decoding makes of a character whose bytes have not all arrived
 
 # vLLM's finish reasons (vllm.v1.engine.FINISH_REASON_STRINGS) as the proto's enum.
 FINISH_REASONS: dict[str, engine_pb2.FinishReason] = {
@@ -77,17 +83,89 @@ def choice_delta(output: CompletionOutput, top_n: int) -> engine_pb2.ChoiceDelta
     return delta
 
 
+def _complete(text: str) -> str:
+    """The text without a trailing incomplete character: its remaining bytes come with later tokens."""
+    return text.rstrip(INCOMPLETE)
+
+
+class ResumedText:
+    """The text of a resumed choice (GenerateRequest.resume), decoded here from its ids.
+
+    vLLM's incremental detokenizer cannot take over a stream cut inside a character (a byte-level BPE
+    splits an emoji or a CJK character over several tokens): started from a prompt that ends with part of
+    a character, its first delta is the text of the whole prompt. So the worker decodes the resumed and the
+    new ids itself, after a few prompt ids of context, and hands on only the text the client has not seen.
+
+    The text the client was shown for the resumed ids is taken to be all of it but a trailing incomplete
+    character: the gateway moves no stream with stop strings (and the worker refuses to resume one), so
+    vLLM held nothing back for them. Each step decodes the whole output again: quadratic in the output's
+    length, which is acceptable for the rare resumed stream and keeps the text exactly that of one decode.
+    """
+
+    def __init__(self, tokenizer: TokenizerLike, prompt_ids: Sequence[int], resumed: Sequence[int], *,
+                 skip_special_tokens: bool):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        context = list(prompt_ids[-RESUME_CONTEXT_TOKENS:])
+        self.context_len = len(context)
+        self.resumed = list(resumed)
+        self.ids = context + self.resumed
+        self.context_text_len = len(self._decode(context))
+        # What the client has of this choice: the old worker's text, then the deltas sent from here.
+        self.shown = _complete(self._decode(self.ids)[self.context_text_len:])
+        self.sent = len(self.shown)
+
+    def _decode(self, ids: list[int]) -> str:
+        # Not spaces_between_special_tokens: vLLM's tokenizer protocol has no such argument, and its detokenizer
+        # for fast (tokenizers-library) tokenizers ignores it too.
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def delta(self, new_ids: Sequence[int], *, finished: bool) -> str:
+        """The text that the new ids add; at the end, also a held-back character that never completed."""
+        self.ids.extend(new_ids)
+        text = self._decode(self.ids)[self.context_text_len:]
+        if not finished:
+            text = _complete(text)
+        new = text[self.sent:]
+        self.sent += len(new)
+        return new
+
+    def pieces(self) -> Iterator[tuple[str, list[int]]]:
+        """`shown` piece by piece, as a stream would have shown it: each piece with the ids that completed
+        it, ids that completed no character last with no text. For the tool-call parser's replay."""
+        pieces = list(self._windowed_pieces())
+        if "".join(text for text, _ in pieces) != self.shown:
+            # A tokenizer whose text depends on more than the window: the parser must see what the client saw.
+            pieces = [(self.shown, self.resumed)]
+        yield from pieces
+
+    def _windowed_pieces(self) -> Iterator[tuple[str, list[int]]]:
+        # Each piece decoded after the one before it (a token's text can depend on its neighbours), which
+        # keeps the replay linear in the output's length.
+        ids = self.ids[:self.context_len + len(self.resumed)]
+        window_start, piece_start = 0, self.context_len
+        for end in range(piece_start + 1, len(ids) + 1):
+            before = self._decode(ids[window_start:piece_start])
+            now = self._decode(ids[window_start:end])
+            if len(now) > len(before) and not now.endswith(INCOMPLETE):
+                yield now[len(before):], ids[piece_start:end]
+                window_start, piece_start = piece_start, end
+        if piece_start < len(ids):
+            yield "", ids[piece_start:]
+
+
 class ResponseBuilder:
     """Turns one request's stream of RequestOutput deltas into GenerateResponse messages."""
 
     def __init__(self, request_id: str, top_logprobs: int, tools: ToolRequest | None = None, *,
-                 resumed: Sequence[int] = (), skip_special_tokens: bool = True):
+                 resumed: ResumedText | None = None):
         self.request_id = request_id
         self.top_logprobs = top_logprobs
-        # A resumed stream (GenerateRequest.resume) counts the tokens another worker already sent.
-        self.resumed = list(resumed)
-        self.completion_tokens = len(self.resumed)
-        self.skip_special_tokens = skip_special_tokens
+        # A resumed stream (GenerateRequest.resume) counts the tokens another worker already sent, and
+        # takes its text from `resumed` rather than from vLLM.
+        self.resumed = resumed
+        self.resumed_count = len(resumed.resumed) if resumed is not None else 0
+        self.completion_tokens = self.resumed_count
         self.started = False
         # The prompt's ids, copied once: vLLM hands the same prompt with every output of the request.
         # Without the resumed tokens, which the engine sees as the prompt's tail but the client as output.
@@ -101,8 +179,8 @@ class ResponseBuilder:
         parser = self.tool_parsers.get(index)
         if parser is None:
             parser = self.tool_parsers[index] = self.tools.choice_parser()
-            if self.resumed:
-                parser.replay(self.resumed, self.prompt_ids, skip_special_tokens=self.skip_special_tokens)
+            if self.resumed is not None:
+                parser.replay(self.resumed.pieces(), self.prompt_ids)
         return parser
 
     def build(self, output: RequestOutput) -> list[engine_pb2.GenerateResponse]:
@@ -110,7 +188,7 @@ class ResponseBuilder:
         after the last one's."""
         messages = []
         if self.prompt_ids is None and output.prompt_token_ids is not None:
-            self.prompt_ids = list(output.prompt_token_ids[:len(output.prompt_token_ids) - len(self.resumed)])
+            self.prompt_ids = list(output.prompt_token_ids[:len(output.prompt_token_ids) - self.resumed_count])
         prompt_ids = self.prompt_ids
         if not self.started:
             self.started = True
@@ -124,6 +202,9 @@ class ResponseBuilder:
         for choice in output.outputs:
             self.completion_tokens += len(choice.token_ids)
             choice_message = choice_delta(choice, self.top_logprobs)
+            if self.resumed is not None:
+                choice_message.text = self.resumed.delta(choice.token_ids,
+                                                         finished=choice.finish_reason is not None)
             if self.tools is not None:
                 self._tool_parser(choice.index).delta(choice_message, prompt_ids,
                                                       finished=choice.finish_reason is not None)

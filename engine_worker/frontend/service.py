@@ -28,7 +28,7 @@ from .drain import StreamGate
 from .engine import LoadTracker
 from .frontend_args import FrontendOptions
 from .lora import LoraRegistry
-from .outputs import ResponseBuilder
+from .outputs import ResponseBuilder, ResumedText
 from .sampling import InvalidField, Limits, structured, to_vllm
 from .tools import ToolCalling, ToolRequest, tool_parser_class
 from .tracing import Tracing
@@ -76,6 +76,16 @@ def _check_resumable(params: SamplingParams) -> None:
         # be advanced over the resumed tokens, so the continuation would be constrained from the start.
         raise InvalidField("resume", "a stream with structured output (or a forced tool call) cannot be "
                                      "resumed: the grammar cannot continue from the resumed tokens")
+    if params.presence_penalty or params.frequency_penalty:
+        # vLLM counts only generated tokens for these penalties; resumed tokens are prompt to it, so the
+        # continuation would be penalised differently from the uninterrupted stream.
+        raise InvalidField("resume", "a stream with presence_penalty or frequency_penalty cannot be resumed: "
+                                     "the penalties would not count the resumed tokens")
+    if params.stop:
+        # A stop string may span the resume point, where the engine no longer sees the text before it;
+        # and vLLM holds back a stop string's length of text, which the client then never received.
+        raise InvalidField("resume", "a stream with stop strings cannot be resumed: a stop string spanning "
+                                     "the resume point could not be found")
 
 
 def _cut_short(output: RequestOutput) -> bool:
@@ -227,8 +237,12 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             await self._load_adapter(lora, context)
         if self.gate.cut:  # admitted before the drain, but the drain's deadline passed while rendering
             await abort(context, grpc.StatusCode.UNAVAILABLE, CUT, Reason.WORKER_DRAINING)
-        builder = ResponseBuilder(request_id, params.logprobs or 0, tools, resumed=resumed,
-                                  skip_special_tokens=params.skip_special_tokens)
+        resumed_text = None
+        if resumed:
+            rendered = engine_input["prompt_token_ids"][:len(engine_input["prompt_token_ids"]) - len(resumed)]
+            resumed_text = ResumedText(self.tokenizer, rendered, resumed,
+                                       skip_special_tokens=params.skip_special_tokens)
+        builder = ResponseBuilder(request_id, params.logprobs or 0, tools, resumed=resumed_text)
         self.running.add(request_id)
         cut = False
         try:

@@ -10,7 +10,7 @@ in whole at the end for non-streaming replies, exactly as vLLM's chat serving do
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable
 from typing import Any
 
 from pydantic import ValidationError
@@ -160,24 +160,6 @@ def _tool_call_deltas(message: DeltaMessage | None) -> list[engine_pb2.ToolCallD
     return out
 
 
-def decoded_pieces(tokenizer: TokenizerLike, token_ids: list[int], *,
-                   skip_special_tokens: bool) -> Iterator[tuple[str, list[int]]]:
-    """The ids' text piece by piece, as a stream shows it: each piece with the ids that completed it.
-
-    Each piece is decoded within a short window of the ids before it (a token's text can depend on its
-    neighbours), and held back while it ends in an incomplete character."""
-    window_start = piece_start = 0
-    for end in range(1, len(token_ids) + 1):
-        before = tokenizer.decode(token_ids[window_start:piece_start], skip_special_tokens=skip_special_tokens)
-        now = tokenizer.decode(token_ids[window_start:end], skip_special_tokens=skip_special_tokens)
-        if len(now) > len(before) and not now.endswith("\ufffd"):
-            yield now[len(before):], token_ids[piece_start:end]
-            window_start, piece_start = piece_start, end
-    if piece_start < len(token_ids):
-        # Ids that never complete a character (or decode to nothing): passed on with no text.
-        yield "", token_ids[piece_start:]
-
-
 class ChoiceToolParser:
     """Parses one choice: per delta (vLLM's stream path) and, at the end, in whole (its full path)."""
 
@@ -207,11 +189,11 @@ class ChoiceToolParser:
             if self.streamed_calls and not self.tools.named and raw == engine_pb2.FINISH_REASON_STOP:
                 delta.finish_reason = engine_pb2.FINISH_REASON_TOOL_CALLS
 
-    def replay(self, token_ids: list[int], prompt_token_ids: list[int] | None, *, skip_special_tokens: bool) -> None:
-        """Feeds the output another worker already streamed (GenerateRequest.resume) through the parser,
-        emitting nothing: a tool call that worker began continues here as it would have there."""
-        tokenizer = self.tools.calling.tokenizer
-        for text, ids in decoded_pieces(tokenizer, token_ids, skip_special_tokens=skip_special_tokens):
+    def replay(self, pieces: Iterable[tuple[str, list[int]]], prompt_token_ids: list[int] | None) -> None:
+        """Feeds the output another worker already streamed (GenerateRequest.resume), as pieces of text with
+        the ids that completed them, through the parser, emitting nothing: a tool call that worker began
+        continues here as it would have there."""
+        for text, ids in pieces:
             self._advance(text, ids, prompt_token_ids, finished=False)
 
     def _advance(self, text: str, token_ids: list[int], prompt_token_ids: list[int] | None, *,
