@@ -20,8 +20,7 @@ from taco_llm.protos import engine_pb2, engine_pb2_grpc, rich_status
 from taco_llm.protos.engine_limits import ENGINE_SERVICE
 from taco_llm.protos.registry_keys import REGISTRY_KEY_PREFIX
 
-from .support import Process, free_port, start, wait_until
-from .test_worker_registry import Redis
+from .support import Process, RedisServer, free_port, start, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -114,8 +113,8 @@ def log_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[Redis]:
-    server = Redis(free_port(), tmp_path)
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(free_port(), tmp_path, persist=False)
     server.start()
     yield server
     server.stop()
@@ -132,7 +131,7 @@ def collector() -> Iterator[tuple[Collector, int]]:
     server.stop(0)
 
 
-def test_drain_finishes_running_streams_and_refuses_new_ones(log_dir: Path, redis_server: Redis,
+def test_drain_finishes_running_streams_and_refuses_new_ones(log_dir: Path, redis_server: RedisServer,
                                                              collector: tuple[Collector, int]) -> None:
     receiver, otlp_port = collector
     worker = _start_worker("worker-drain", [
