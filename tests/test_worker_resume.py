@@ -208,6 +208,17 @@ def test_resumed_text_continues_inside_a_character(tokenizer: Any) -> None:
         assert whole.startswith(resumed.shown) and not resumed.shown.endswith("\ufffd"), k
         assert "".join(text for text, _ in resumed.pieces()) == resumed.shown, k
         assert [i for _, ids in resumed.pieces() for i in ids] == output[:k], k
-        deltas = [resumed.delta([token], finished=i == len(output) - 1) for i, token in enumerate(output[k:], k)]
+        deltas = [resumed.delta([token]) for token in output[k:]]
         assert resumed.shown + "".join(deltas) == whole, k
         assert all("\ufffd" not in delta for delta in deltas), k
+
+
+def test_resumed_text_leaves_out_the_stop_token_as_vllm_does(tokenizer: Any) -> None:
+    """vLLM never shows the text of the token that stopped a choice (EOS or a stop token), unless
+    include_stop_str_in_output; a resumed stream decoding its own text must not either."""
+    output = tokenizer.encode(" hello world", add_special_tokens=False)
+    eos = tokenizer.eos_token_id
+    resumed = ResumedText(tokenizer, [1, 2, 3], output[:1], skip_special_tokens=False)
+    assert resumed.delta(output[1:]) + resumed.delta([eos], stopped_by_token=True) == tokenizer.decode(output[1:])
+    shown = ResumedText(tokenizer, [1, 2, 3], output[:1], skip_special_tokens=False, include_stop_str_in_output=True)
+    assert shown.delta([*output[1:], eos], stopped_by_token=True).endswith(tokenizer.decode([eos]))

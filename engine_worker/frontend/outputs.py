@@ -103,9 +103,10 @@ class ResumedText:
     """
 
     def __init__(self, tokenizer: TokenizerLike, prompt_ids: Sequence[int], resumed: Sequence[int], *,
-                 skip_special_tokens: bool):
+                 skip_special_tokens: bool, include_stop_str_in_output: bool = False):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.include_stop_token_text = include_stop_str_in_output
         context = list(prompt_ids[-RESUME_CONTEXT_TOKENS:])
         self.context_len = len(context)
         self.resumed = list(resumed)
@@ -120,12 +121,14 @@ class ResumedText:
         # for fast (tokenizers-library) tokenizers ignores it too.
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def delta(self, new_ids: Sequence[int], *, finished: bool) -> str:
-        """The text that the new ids add; at the end, also a held-back character that never completed."""
+    def delta(self, new_ids: Sequence[int], *, stopped_by_token: bool = False) -> str:
+        """The text that the new ids add, as vLLM's detokenizer would show it: never a trailing character
+        that is not complete (its incremental decoder emits none, even at the end), and, when a stop token
+        or the EOS ended the choice (stop strings are never resumed), not that token's text unless
+        include_stop_str_in_output asks for it."""
         self.ids.extend(new_ids)
-        text = self._decode(self.ids)[self.context_text_len:]
-        if not finished:
-            text = _complete(text)
+        shown_ids = self.ids[:-1] if stopped_by_token and new_ids and not self.include_stop_token_text else self.ids
+        text = _complete(self._decode(shown_ids)[self.context_text_len:])
         new = text[self.sent:]
         self.sent += len(new)
         return new
@@ -204,7 +207,7 @@ class ResponseBuilder:
             choice_message = choice_delta(choice, self.top_logprobs)
             if self.resumed is not None:
                 choice_message.text = self.resumed.delta(choice.token_ids,
-                                                         finished=choice.finish_reason is not None)
+                                                         stopped_by_token=choice.finish_reason == "stop")
             if self.tools is not None:
                 self._tool_parser(choice.index).delta(choice_message, prompt_ids,
                                                       finished=choice.finish_reason is not None)

@@ -241,7 +241,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         if resumed:
             rendered = engine_input["prompt_token_ids"][:len(engine_input["prompt_token_ids"]) - len(resumed)]
             resumed_text = ResumedText(self.tokenizer, rendered, resumed,
-                                       skip_special_tokens=params.skip_special_tokens)
+                                       skip_special_tokens=params.skip_special_tokens,
+                                       include_stop_str_in_output=params.include_stop_str_in_output)
         builder = ResponseBuilder(request_id, params.logprobs or 0, tools, resumed=resumed_text)
         self.running.add(request_id)
         cut = False
