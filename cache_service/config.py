@@ -6,7 +6,9 @@ import argparse
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from taco_llm import grpc_security
 
 DEFAULT_MEMORY_UTILIZATION = 0.3  # TACO-LLM's documented default for --cpu-prefill-memory-utilization
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -21,6 +23,9 @@ class CacheServiceConfig:
     redis_url: str | None  # for the lookahead index; None: not configured
     min_access_threshold: int
     count_hits: bool
+    # --api-key: calls but the health service's must carry it; kept out of repr, so out of any log line.
+    api_key: str | None = field(default=None, repr=False)
+    grpc_tls: grpc_security.ServerTls | None = None  # --grpc-tls-*: None serves plain text
 
 
 def host_memory_bytes() -> int:
@@ -60,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--apc-offload-enable-hit-cnt", action="store_true",
                         help="count hits per block: reported by Stats, and the least-hit of the least "
                         "recent blocks is evicted first")
+    parser.add_argument("--api-key", default=None, metavar="KEY",
+                        help="require 'authorization: Bearer KEY' in the metadata of every gRPC call but the "
+                        "health service's (workers send it with --cache-service-api-key) (default: none, "
+                        "no key asked for)")
+    grpc_security.add_server_tls_args(parser, "cache service")
     return parser
 
 
@@ -81,5 +91,12 @@ def parse(argv: Sequence[str]) -> CacheServiceConfig:
         budget = int(host_memory_bytes() * fraction)
     if args.redis_url is not None and not args.redis_url.startswith(("redis://", "rediss://", "unix://")):
         parser.error(f"--redis-url must start with redis://, rediss:// or unix://, got {args.redis_url!r}")
+    if args.api_key is not None and not args.api_key:
+        parser.error("--api-key is empty: an empty key would let everyone in")
+    try:
+        grpc_tls = grpc_security.server_tls_from_args(args)
+    except grpc_security.SecurityConfigError as error:
+        parser.error(str(error))
     return CacheServiceConfig(args.grpc_host, args.grpc_port, budget, args.redis_url,
-                              args.apc_offload_min_access_threshold, args.apc_offload_enable_hit_cnt)
+                              args.apc_offload_min_access_threshold, args.apc_offload_enable_hit_cnt,
+                              api_key=args.api_key, grpc_tls=grpc_tls)

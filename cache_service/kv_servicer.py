@@ -216,6 +216,10 @@ class KVBlockStoreServicer(kv_cache_pb2_grpc.KVBlockStoreServicer):
     async def GetBlocks(self, request: kv_cache_pb2.GetBlocksRequest,
                         context: grpc.aio.ServicerContext) -> AsyncIterator[kv_cache_pb2.GetBlocksChunk]:
         await _check_keys(request.keys, context)
+        if not request.keys:
+            # Nothing to read is a client's mistake, and BlockStore.acquire takes checked keys only.
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "keys: name at least one block to read",
+                        Reason.FIELD_REQUIRED, "keys")
         if request.HasField("window"):
             async for message in self._get_into_window(request, context):
                 yield message

@@ -33,9 +33,19 @@ KEY_PREFIX = "taco_llm:lookahead:"
 MAX_RECORDS = 200_000  # per namespace; Redis trims the oldest beyond this (approximately, for speed)
 MAX_PUBLISH_TOKENS = 4_000_000
 MAX_NAMESPACE_LENGTH = 512
+# A record's scope is a digest the worker makes (32 hex characters); the bound keeps a client from storing
+# arbitrary text in every record.
+MAX_SCOPE_LENGTH = 64
 READ_BATCH = 256
 LIVE_BLOCK_MS = 5_000
 LOG_ID = re.compile(r"\d+(-\d+)?")
+# Redis keeps each half of a stream id as an unsigned 64-bit integer and refuses a larger one.
+MAX_LOG_ID_PART = 2**64 - 1
+
+
+def is_log_id(text: str) -> bool:
+    """Whether `text` is an id Redis takes for a stream position: MILLISECONDS or MILLISECONDS-SEQUENCE."""
+    return LOG_ID.fullmatch(text) is not None and all(int(part) <= MAX_LOG_ID_PART for part in text.split("-"))
 
 
 def _pack(tokens: Any) -> bytes:
@@ -57,6 +67,7 @@ def _record(entry_id: bytes, fields: dict[bytes, bytes]) -> lookahead_pb2.Record
     return lookahead_pb2.Record(
         id=entry_id.decode(), prompt=_unpack(fields.get(b"p", b"")), output=_unpack(fields.get(b"o", b"")),
         created_unix=float(fields.get(b"t", b"0")), origin=fields.get(b"g", b"").decode(),
+        scope=fields.get(b"s", b"").decode(errors="replace"),
     )
 
 
@@ -94,14 +105,21 @@ class LookaheadIndexServicer(lookahead_pb2_grpc.LookaheadIndexServicer):
         if tokens > MAX_PUBLISH_TOKENS:
             await invalid_argument(context, f"records: {tokens} tokens in one call; at most {MAX_PUBLISH_TOKENS}",
                                    "records")
+        for position, record in enumerate(request.records):
+            if len(record.scope) > MAX_SCOPE_LENGTH:
+                await invalid_argument(context, f"records[{position}].scope: at most {MAX_SCOPE_LENGTH} characters",
+                                       f"records[{position}].scope")
         last_id = ""
         try:
             async with client.pipeline(transaction=False) as pipe:
                 for record in request.records:
                     if not record.output and not record.prompt:
                         continue
-                    pipe.xadd(key, {"p": _pack(record.prompt), "o": _pack(record.output),
-                                    "t": repr(record.created_unix), "g": record.origin},
+                    fields = {"p": _pack(record.prompt), "o": _pack(record.output), "t": repr(record.created_unix),
+                              "g": record.origin}
+                    if record.scope:
+                        fields["s"] = record.scope
+                    pipe.xadd(key, fields,  # type: ignore[arg-type]
                               maxlen=MAX_RECORDS, approximate=True)
                 ids = await pipe.execute()
             if ids:
@@ -114,8 +132,9 @@ class LookaheadIndexServicer(lookahead_pb2_grpc.LookaheadIndexServicer):
                         context: grpc.aio.ServicerContext) -> AsyncIterator[lookahead_pb2.SubscribeResponse]:
         client, key = await self._client(request.namespace, context)
         after = request.after_id or "0-0"
-        if not LOG_ID.fullmatch(after):
-            await invalid_argument(context, f"after_id: {after!r} is not a log id (MILLISECONDS-SEQUENCE)",
+        if not is_log_id(after):
+            await invalid_argument(context, f"after_id: {after!r} is not a log id (MILLISECONDS-SEQUENCE, "
+                                            "each below 2**64)",
                                    "after_id")
         caught_up = False
         while True:

@@ -11,6 +11,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from taco_llm.grpc_decoding import RequestDecodingInterceptor
+from taco_llm.grpc_security import ApiKeyInterceptor, add_port
 from taco_llm.protos import kv_cache_pb2, kv_cache_pb2_grpc, lookahead_pb2, lookahead_pb2_grpc
 
 # One limit for every service of this server, the lookahead index's too.
@@ -50,11 +52,14 @@ def servicers(config: CacheServiceConfig) -> list[Servicer]:
 
 
 async def serve(config: CacheServiceConfig, stop: asyncio.Event) -> int:
+    interceptors: list[grpc.aio.ServerInterceptor] = (
+        [ApiKeyInterceptor(config.api_key, flag="the cache service's --api-key")] if config.api_key else [])
+    interceptors.append(RequestDecodingInterceptor())  # after the key check: see taco_llm/grpc_decoding.py
     server = grpc.aio.server(options=[
         ("grpc.max_send_message_length", GRPC_MESSAGE_LIMIT),
         ("grpc.max_receive_message_length", GRPC_MESSAGE_LIMIT),
         ("grpc.so_reuseport", 0),
-    ])
+    ], interceptors=interceptors or None)
     offered = servicers(config)
     for servicer in offered:
         servicer.add_to_server(server)
@@ -65,15 +70,17 @@ async def serve(config: CacheServiceConfig, stop: asyncio.Event) -> int:
         (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
     address = f"{config.grpc_host}:{config.grpc_port}"
     try:
-        server.add_insecure_port(address)
+        add_port(server, address, config.grpc_tls)
     except RuntimeError as error:
         logger.error("cannot listen on %s (--grpc-host/--grpc-port): %s", address, error)
         return 1
     await server.start()
     for name in ("", *names):
         await health_service.set(name, health_pb2.HealthCheckResponse.SERVING)
-    print(f"taco_llm cache-service: serving {', '.join(names)} over gRPC at {address} "
-          f"(KV budget {config.kv_budget_bytes} bytes)", flush=True)
+    security = ", ".join([*(["mutual TLS" if config.grpc_tls.client_ca else "TLS"] if config.grpc_tls else []),
+                          *(["API key"] if config.api_key else [])]) or "plain text, no key"
+    print(f"taco_llm cache-service: serving {', '.join(names)} over gRPC at {address} ({security}; "
+          f"KV budget {config.kv_budget_bytes} bytes)", flush=True)
     await stop.wait()
     logger.info("shutting down")
     await health_service.enter_graceful_shutdown()

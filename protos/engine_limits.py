@@ -14,3 +14,8 @@ GRPC_MESSAGE_LIMIT = 64 * 1024 * 1024
 
 # The name the worker's health service reports the Engine under (clients check it before routing).
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
+
+# The chat roles the worker takes (OpenAI's), in the order the gateway's OpenAPI schema lists them. Chat
+# templates may know more, but a role OpenAI refuses is refused here too (ChatMessage.role stays a string:
+# see engine.proto).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")

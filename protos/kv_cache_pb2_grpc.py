@@ -93,7 +93,8 @@ class KVBlockStoreServicer:
         """Streams blocks (see GetBlocksChunk): first `headers`, every block's header; then the bytes, as
         `block_bytes` chunks or, with a window, as `segments_in_window` progress. NOT_FOUND, before any
         bytes, when a key is not held. While a call streams, its blocks are never evicted.
-        Codes: INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION and RESOURCE_EXHAUSTED (with a window).
+        Codes: INVALID_ARGUMENT (FIELD_REQUIRED `keys` when there are none), NOT_FOUND, FAILED_PRECONDITION
+        and RESOURCE_EXHAUSTED (with a window).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/lookahead.proto\x12\x15taco_llm.lookahead.v1\"Z\n\x06Record\x12\x0e\n\x06prompt\x18\x01 \x03(\r\x12\x0e\n\x06output\x18\x02 \x03(\r\x12\n\n\x02id\x18\x03 \x01(\t\x12\x14\n\x0c\x63reated_unix\x18\x04 \x01(\x01\x12\x0e\n\x06origin\x18\x05 \x01(\t\"S\n\x0ePublishRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12.\n\x07records\x18\x02 \x03(\x0b\x32\x1d.taco_llm.lookahead.v1.Record\"\"\n\x0fPublishResponse\x12\x0f\n\x07last_id\x18\x01 \x01(\t\"7\n\x10SubscribeRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x10\n\x08\x61\x66ter_id\x18\x02 \x01(\t\"V\n\x11SubscribeResponse\x12.\n\x07records\x18\x01 \x03(\x0b\x32\x1d.taco_llm.lookahead.v1.Record\x12\x11\n\tcaught_up\x18\x02 \x01(\x08\"$\n\x0fGetStatsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\"[\n\nIndexStats\x12\x0f\n\x07records\x18\x01 \x01(\x03\x12\x0e\n\x06tokens\x18\x02 \x01(\x03\x12\x13\n\x0bmax_records\x18\x03 \x01(\x03\x12\x17\n\x0fredis_connected\x18\x04 \x01(\x08\x32\xa3\x02\n\x0eLookaheadIndex\x12X\n\x07Publish\x12%.taco_llm.lookahead.v1.PublishRequest\x1a&.taco_llm.lookahead.v1.PublishResponse\x12`\n\tSubscribe\x12\'.taco_llm.lookahead.v1.SubscribeRequest\x1a(.taco_llm.lookahead.v1.SubscribeResponse0\x01\x12U\n\x08GetStats\x12&.taco_llm.lookahead.v1.GetStatsRequest\x1a!.taco_llm.lookahead.v1.IndexStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/lookahead.proto\x12\x15taco_llm.lookahead.v1\"i\n\x06Record\x12\x0e\n\x06prompt\x18\x01 \x03(\r\x12\x0e\n\x06output\x18\x02 \x03(\r\x12\n\n\x02id\x18\x03 \x01(\t\x12\x14\n\x0c\x63reated_unix\x18\x04 \x01(\x01\x12\x0e\n\x06origin\x18\x05 \x01(\t\x12\r\n\x05scope\x18\x06 \x01(\t\"S\n\x0ePublishRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12.\n\x07records\x18\x02 \x03(\x0b\x32\x1d.taco_llm.lookahead.v1.Record\"\"\n\x0fPublishResponse\x12\x0f\n\x07last_id\x18\x01 \x01(\t\"7\n\x10SubscribeRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x10\n\x08\x61\x66ter_id\x18\x02 \x01(\t\"V\n\x11SubscribeResponse\x12.\n\x07records\x18\x01 \x03(\x0b\x32\x1d.taco_llm.lookahead.v1.Record\x12\x11\n\tcaught_up\x18\x02 \x01(\x08\"$\n\x0fGetStatsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\"[\n\nIndexStats\x12\x0f\n\x07records\x18\x01 \x01(\x03\x12\x0e\n\x06tokens\x18\x02 \x01(\x03\x12\x13\n\x0bmax_records\x18\x03 \x01(\x03\x12\x17\n\x0fredis_connected\x18\x04 \x01(\x08\x32\xa3\x02\n\x0eLookaheadIndex\x12X\n\x07Publish\x12%.taco_llm.lookahead.v1.PublishRequest\x1a&.taco_llm.lookahead.v1.PublishResponse\x12`\n\tSubscribe\x12\'.taco_llm.lookahead.v1.SubscribeRequest\x1a(.taco_llm.lookahead.v1.SubscribeResponse0\x01\x12U\n\x08GetStats\x12&.taco_llm.lookahead.v1.GetStatsRequest\x1a!.taco_llm.lookahead.v1.IndexStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,19 +32,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'taco_llm.protos.lookahead_p
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_RECORD']._serialized_start=49
-  _globals['_RECORD']._serialized_end=139
-  _globals['_PUBLISHREQUEST']._serialized_start=141
-  _globals['_PUBLISHREQUEST']._serialized_end=224
-  _globals['_PUBLISHRESPONSE']._serialized_start=226
-  _globals['_PUBLISHRESPONSE']._serialized_end=260
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=262
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=317
-  _globals['_SUBSCRIBERESPONSE']._serialized_start=319
-  _globals['_SUBSCRIBERESPONSE']._serialized_end=405
-  _globals['_GETSTATSREQUEST']._serialized_start=407
-  _globals['_GETSTATSREQUEST']._serialized_end=443
-  _globals['_INDEXSTATS']._serialized_start=445
-  _globals['_INDEXSTATS']._serialized_end=536
-  _globals['_LOOKAHEADINDEX']._serialized_start=539
-  _globals['_LOOKAHEADINDEX']._serialized_end=830
+  _globals['_RECORD']._serialized_end=154
+  _globals['_PUBLISHREQUEST']._serialized_start=156
+  _globals['_PUBLISHREQUEST']._serialized_end=239
+  _globals['_PUBLISHRESPONSE']._serialized_start=241
+  _globals['_PUBLISHRESPONSE']._serialized_end=275
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=277
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=332
+  _globals['_SUBSCRIBERESPONSE']._serialized_start=334
+  _globals['_SUBSCRIBERESPONSE']._serialized_end=420
+  _globals['_GETSTATSREQUEST']._serialized_start=422
+  _globals['_GETSTATSREQUEST']._serialized_end=458
+  _globals['_INDEXSTATS']._serialized_start=460
+  _globals['_INDEXSTATS']._serialized_end=551
+  _globals['_LOOKAHEADINDEX']._serialized_start=554
+  _globals['_LOOKAHEADINDEX']._serialized_end=845
 # @@protoc_insertion_point(module_scope)

@@ -7,18 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Record(_message.Message):
-    __slots__ = ("prompt", "output", "id", "created_unix", "origin")
+    __slots__ = ("prompt", "output", "id", "created_unix", "origin", "scope")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
     prompt: _containers.RepeatedScalarFieldContainer[int]
     output: _containers.RepeatedScalarFieldContainer[int]
     id: str
     created_unix: float
     origin: str
-    def __init__(self, prompt: _Optional[_Iterable[int]] = ..., output: _Optional[_Iterable[int]] = ..., id: _Optional[str] = ..., created_unix: _Optional[float] = ..., origin: _Optional[str] = ...) -> None: ...
+    scope: str
+    def __init__(self, prompt: _Optional[_Iterable[int]] = ..., output: _Optional[_Iterable[int]] = ..., id: _Optional[str] = ..., created_unix: _Optional[float] = ..., origin: _Optional[str] = ..., scope: _Optional[str] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
     __slots__ = ("namespace", "records")

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from taco_llm.engine_worker.core.lookahead.sync import IndexSync
-from taco_llm.protos import lookahead_pb2, lookahead_pb2_grpc
+from taco_llm.protos import lookahead_pb2, lookahead_pb2_grpc, rich_status
 
 from .support import ROOT, RedisServer, free_port
 
@@ -86,14 +86,31 @@ def test_namespaces_never_mix(index: lookahead_pb2_grpc.LookaheadIndexStub) -> N
     assert len(read_until_caught_up(index, "model-b:1")) == 1
 
 
+def test_a_records_scope_travels_with_it(index: lookahead_pb2_grpc.LookaheadIndexStub) -> None:
+    scoped = record([1], [2])
+    scoped.scope = "0f" * 16
+    index.Publish(lookahead_pb2.PublishRequest(namespace="model-scoped:1", records=[scoped, record([3], [4])]))
+    assert [r.scope for r in read_until_caught_up(index, "model-scoped:1")] == ["0f" * 16, ""]
+    too_long = record([5], [6])
+    too_long.scope = "x" * 65
+    with pytest.raises(grpc.RpcError) as error:
+        index.Publish(lookahead_pb2.PublishRequest(namespace="model-scoped:1", records=[too_long]))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert rich_status.details_of(error.value).field == "records[0].scope"
+    assert len(read_until_caught_up(index, "model-scoped:1")) == 2, "nothing of the refused call was stored"
+
+
 def test_bad_requests_get_precise_errors(index: lookahead_pb2_grpc.LookaheadIndexStub) -> None:
     for bad in ("", "x" * 600):
         with pytest.raises(grpc.RpcError) as error:
             index.Publish(lookahead_pb2.PublishRequest(namespace=bad, records=[record([1], [2])]))
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "namespace" in error.value.details()
-    with pytest.raises(grpc.RpcError) as error:
-        read_until_caught_up(index, "model-a:0123", after_id="not-an-id")
-    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "after_id" in error.value.details()
+    # The last two have the form of a log id but a half past Redis's 64 bits (the gRPC fuzz found them).
+    for bad_id in ("not-an-id", str(2**64), f"1-{2**64}"):
+        with pytest.raises(grpc.RpcError) as error:
+            read_until_caught_up(index, "model-a:0123", after_id=bad_id)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "after_id" in error.value.details()
+    assert read_until_caught_up(index, "model-a:0123", after_id=f"{2**64 - 1}-{2**64 - 1}") == []
     huge = record([], list(range(5_000_000)))
     with pytest.raises(grpc.RpcError) as error:
         index.Publish(lookahead_pb2.PublishRequest(namespace="model-a:0123", records=[huge]))
@@ -135,7 +152,7 @@ def test_workers_see_each_others_sequences_but_not_their_own(service: str) -> No
         first.publish([1, 2], [3, 4])
         second.publish([5], [6])
         wait_for(lambda: len(second.inbox) == 1 and len(first.inbox) == 1)
-        assert (second.inbox[0].prompt, second.inbox[0].output) == ([1, 2], [3, 4])
+        assert (second.inbox[0].prompt, second.inbox[0].output, second.inbox[0].scope) == ([1, 2], [3, 4], "")
         assert (first.inbox[0].prompt, first.inbox[0].output) == ([5], [6])
         assert first.connected and second.connected
     finally:
