@@ -9,6 +9,7 @@ import it; tests/test_layout.py checks that, and that each class path imports to
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -36,6 +37,20 @@ DEFAULT_LOOKUP_TIMEOUT = 0.25  # seconds the scheduler waits for a Lookup before
 # (frontend/server.py) sets it before the engine starts, so the engine's processes inherit it and write
 # their metrics (the lookahead proposer's) as files there, which the front process's /metrics reads.
 PROMETHEUS_MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
+
+# A request's scope in the lookahead index travels with the request, in SamplingParams.extra_args (vLLM's
+# public field for plug-ins, carried whole to the model runner's per-request state, where the proposer reads
+# it; clients cannot set it). Requests draft only from sequences of their own scope: the scope is a digest of
+# the request's cache_salt, so drafting never crosses a boundary that the prefix cache does not (under
+# --tenant-isolation the gateway sets the salt per tenant). The digest, not the salt, is stored in Redis:
+# a salt may be a secret.
+LOOKAHEAD_SCOPE_ARG = "taco_llm.lookahead_scope"
+
+
+def lookahead_scope(cache_salt: str) -> str:
+    """The lookahead scope of a request with this cache_salt: "" (shared by all unsalted requests) for none."""
+    return hashlib.sha256(cache_salt.encode()).hexdigest()[:32] if cache_salt else ""
+
 
 # The speculative config has no field for a custom proposer's settings, so the front process validates
 # them and exports them here as JSON before the engine starts; the engine process inherits the variable.

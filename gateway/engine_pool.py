@@ -27,6 +27,7 @@ from typing import TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from taco_llm.grpc_security import ClientTls, aio_channel
 from taco_llm.protos import engine_pb2, engine_pb2_grpc, registry_pb2
 from taco_llm.protos.engine_limits import ENGINE_SERVICE, GRPC_MESSAGE_LIMIT
 from taco_llm.protos.registry_keys import LIST_INTERVAL_SECONDS
@@ -102,8 +103,10 @@ class EngineClient:
 
     @classmethod
     def connect(cls, address: str, metadata: tuple[tuple[str, str], ...] = (), *, static: bool = True,
-                breaker: CircuitBreaker | None = None) -> EngineClient:
-        channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+                breaker: CircuitBreaker | None = None, tls: ClientTls | None = None) -> EngineClient:
+        # One channel for the requests, the health checks and GetLoad: a worker that requires client
+        # certificates gets them on each. With TLS the worker's certificate must name `address`.
+        channel = aio_channel(address, tls, GRPC_OPTIONS)
         return cls(address, channel, engine_pb2_grpc.EngineStub(channel), health_pb2_grpc.HealthStub(channel),
                    metadata=metadata, static=static, breaker=breaker or CircuitBreaker())
 
@@ -176,7 +179,8 @@ class EnginePool:
                  balance_rel_threshold: float = 1.5, offload_discount: float = 0.75,
                  list_interval: float = LIST_INTERVAL_SECONDS,
                  breaker_factory: Callable[[], CircuitBreaker] = CircuitBreaker,
-                 clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None):
+                 clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None,
+                 tls: ClientTls | None = None):
         if not addresses and not registry_url:
             raise ValueError("at least one --engine HOST:PORT or a --registry-url is needed")
         if registry_url:
@@ -188,6 +192,7 @@ class EnginePool:
         self.health_interval = health_interval
         self.list_interval = list_interval
         self.metadata = metadata
+        self.tls = tls  # --engine-tls-*: None dials the workers in plain text
         self.policy = make_policy(routing, balance_abs_threshold=balance_abs_threshold,
                                   balance_rel_threshold=balance_rel_threshold, offload_discount=offload_discount,
                                   rng=rng)
@@ -253,7 +258,8 @@ class EnginePool:
                 self._leave(client)
 
     def _connect(self, address: str, *, static: bool) -> EngineClient:
-        return EngineClient.connect(address, self.metadata, static=static, breaker=self.breaker_factory())
+        return EngineClient.connect(address, self.metadata, static=static, breaker=self.breaker_factory(),
+                                    tls=self.tls)
 
     def _start_watch(self, client: EngineClient) -> None:
         if client not in self._watchers:
@@ -295,6 +301,7 @@ class EnginePool:
 
     async def _poll(self, client: EngineClient) -> None:
         was_ready = client.ready
+        error_before = client.last_error
         await client.poll(HEALTH_DEADLINE_SECONDS)
         if client not in self.clients:  # it left while the check was out
             return
@@ -303,7 +310,9 @@ class EnginePool:
             self.policy.forget(client.address)
             assert client.info is not None
             logger.info("engine %s is ready (%s)", client.address, ", ".join(client.info.served_model_names))
-        elif was_ready and not client.ready:
+        elif not client.ready and (was_ready or client.last_error not in ("", error_before)):
+            # Clients are told only that no worker is ready; the operator reads why here (a worker that
+            # refuses the gateway's key, say), once per change.
             logger.warning("engine %s is not ready: %s", client.address, client.why_not_ready())
         self._publish(client)
 
@@ -414,24 +423,30 @@ class EnginePool:
         return model, serving
 
     def unavailable(self, model: str | None = None) -> APIError:
-        """503: no worker (of the model) is ready; says what is wrong with each."""
+        """503: no worker (of the model) is ready; says the state of each, by its place in the pool. The
+        client is told no worker's address nor the gRPC library's message (internal details, logged here
+        and by the health watch), and retries."""
         members = [c for c in self.clients if not model or c.serves(model)] or self.clients
-        details = "; ".join(f"{c.address}: {c.why_not_ready()}" for c in members) or "no worker registered"
+        logger.debug("503: no worker ready: %s", "; ".join(f"{c.address}: {c.why_not_ready()}" for c in members))
+        states = [f"worker {i + 1} of {len(members)}: {'not ready' if c.last_error else 'starting'}"
+                  for i, c in enumerate(members)]
         what = f"of the model `{model}` " if model else ""
-        return service_unavailable(f"No engine worker {what}is ready ({details}).")
+        return service_unavailable(f"No engine worker {what}is ready ({'; '.join(states) or 'no worker registered'})"
+                                   "; retry later.")
 
     def _none_eligible(self, model: str, serving: Sequence[EngineClient], exclude: Collection[EngineClient],
                        now: float) -> APIError:
         parts = []
         waits = []
-        for client in serving:
+        for i, client in enumerate(serving):
+            name = f"worker {i + 1} of {len(serving)}"
             if client in exclude:
-                parts.append(f"{client.address}: already tried by this request")
+                parts.append(f"{name}: already tried by this request")
             elif client.breaker.state(now) is BreakerState.OPEN:
                 waits.append(client.breaker.retry_after(now))
-                parts.append(f"{client.address}: circuit open after repeated worker faults, "
+                parts.append(f"{name}: circuit open after repeated worker faults, "
                              f"{client.breaker.retry_after(now)} s to a trial request")
             else:
-                parts.append(f"{client.address}: circuit half-open, a trial request is under way")
+                parts.append(f"{name}: circuit half-open, a trial request is under way")
         return service_unavailable(f"No engine worker of the model `{model}` can take the request now "
-                                   f"({'; '.join(parts)}).", retry_after=min(waits, default=1))
+                                   f"({'; '.join(parts)}); retry later.", retry_after=min(waits, default=1))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import logging
 import random
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -44,7 +45,10 @@ from .metrics import (
     TIME_TO_FIRST_TOKEN,
     BatchedObserver,
 )
+from .rate_limits import charge_tokens
 from .routing import Route, RouteKey
+
+logger = logging.getLogger(__name__)
 
 # Codes that answer the request, not the worker's health: what the request asked is wrong, or not
 # allowed, whichever worker gets it. Every other code (UNAVAILABLE, INTERNAL, UNKNOWN, DEADLINE_EXCEEDED
@@ -126,7 +130,7 @@ class _Meter:
     """One request's latency and token metrics, labelled with the response's model name: a few clock
     reads per engine message, nothing per token."""
 
-    __slots__ = ("arrival", "generated", "inter_token", "last", "model")
+    __slots__ = ("arrival", "generated", "inter_token", "last", "model", "prompt_tokens")
 
     def __init__(self, model: str, arrival: float):
         self.model = model
@@ -134,6 +138,9 @@ class _Meter:
         self.arrival = arrival
         self.last = 0.0  # 0: no token yet
         self.generated = 0
+        # Known from `started`; charged to the tenant at the end whether or not `finished` arrived, so that a
+        # client that leaves early cannot have long prompts prefilled for free.
+        self.prompt_tokens = 0
 
     def tokens(self, count: int, now: float) -> None:
         if self.last:
@@ -146,11 +153,14 @@ class _Meter:
     def finished(self, usage: engine_pb2.Usage, now: float) -> None:
         E2E_LATENCY.labels(self.model).observe(now - self.arrival)
         PROMPT_TOKENS.labels(self.model).inc(usage.prompt_tokens)
+        self.prompt_tokens = usage.prompt_tokens
 
     def closed(self) -> None:
         self.inter_token.flush()
         if self.generated:
             GENERATION_TOKENS.labels(self.model).inc(self.generated)
+        if self.prompt_tokens or self.generated:
+            charge_tokens(self.prompt_tokens + self.generated)  # the tenant's --rate-limit-tokens-per-minute
 
 
 class EngineStream:
@@ -222,7 +232,6 @@ class EngineStream:
         """Opens the call on a worker and returns its first message; a worker fault before it is tried
         on another worker (up to `tries` calls in all). Raises APIError: the client's fault at once,
         the pool's 404/503 when no worker is left, or a 503 once the tries are spent."""
-        failure = ""
         for attempt in range(tries):
             if attempt:
                 await asyncio.sleep(self.policy.backoff(attempt - 1))
@@ -246,7 +255,9 @@ class EngineStream:
                 if not is_worker_fault(error):
                     self.pool.record_outcome(client, worker_fault=False)
                     raise from_grpc(error, self.param_names) from None
-                code, failure = error.code().name, f"{error.code().name}: {error.details()}"
+                code = error.code().name
+                logger.warning("engine %s failed request %s before its first message: %s: %s", client.address,
+                               self.request.request_id, code, error.details())
             except BaseException:
                 # Cancelled (the client left): that says nothing of the worker.
                 client.in_flight -= 1
@@ -258,13 +269,16 @@ class EngineStream:
                     self.route, self.client, self._call = route, client, call
                     return first
                 client.in_flight -= 1
-                code, failure = EARLY_END, "the stream ended before its first message"
+                code = EARLY_END
+                logger.warning("engine %s ended request %s's stream before its first message", client.address,
+                               self.request.request_id)
             self.pool.record_outcome(client, worker_fault=True)
             self._tried.append(client)
             if not migrating and attempt + 1 < tries:
                 RETRIES.labels(code).inc()
-        raise service_unavailable(f"{tries} engine worker(s) failed the request; the last, {client.address}: "
-                                  f"{failure}", code="engine_failed")
+        # Which workers and why is in the log above: their addresses and errors are not the client's.
+        raise service_unavailable(f"the engine failed this request on {tries} worker(s) in turn; retry later",
+                                  code="engine_failed")
 
     async def messages(self) -> AsyncIterator[engine_pb2.GenerateResponse]:
         try:
@@ -288,9 +302,10 @@ class EngineStream:
                         continue
                     if self._finished:
                         return
-                    failure = service_unavailable(
-                        f"the engine worker {self.client.address} ended the stream before it finished",
-                        code="engine_failed")
+                    logger.warning("engine %s ended request %s's stream before it finished", self.client.address,
+                                   self.request.request_id)
+                    failure = service_unavailable("the engine worker serving this stream stopped before it finished",
+                                                  code="engine_failed")
                 ending = await self._recover(failure)
                 if ending is not None:
                     self._observe(ending)
@@ -324,6 +339,7 @@ class EngineStream:
                 self._meter.tokens(count, time.perf_counter())
         elif phase == "started":
             self._prompt_tokens = len(message.started.prompt_token_ids)
+            self._meter.prompt_tokens = self._prompt_tokens
         elif phase == "finished":
             self._finished = True
             self._meter.finished(message.finished.usage, time.perf_counter())
@@ -359,7 +375,7 @@ class EngineStream:
         except APIError as error:
             MIGRATIONS.labels("failed").inc()
             raise APIError(error.status, f"the stream's worker failed ({failure.message}) and no other worker "
-                                         f"could continue it: {error.message}", param=error.param,
+                                         f"could continue it ({error.message})", param=error.param,
                            code=error.code, headers=error.headers) from None
         MIGRATIONS.labels("resumed").inc()
         return None

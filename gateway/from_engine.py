@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
+import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from prometheus_client import Gauge
+
 from taco_llm.protos import engine_pb2
 
 from .errors import APIError
+from .metrics import REGISTRY
 
 if TYPE_CHECKING:
     from .failover import EngineStream
@@ -188,6 +193,10 @@ Sourced = tuple[int, engine_pb2.GenerateResponse]
 # long (about one decode step of a GPU engine).
 _MAX_BATCH = 32
 _MAX_DELAY = 0.02
+# A client that reads slower than the engine writes: at most this many of its stream's messages wait
+# here. Then the reading tasks stop reading, gRPC's flow control holds the rest back at the worker, and
+# vLLM merges the deltas it could not hand on (DELTA output kind) instead of queueing them.
+MAX_PENDING = 256
 
 
 class LoopLoad:
@@ -237,6 +246,9 @@ class _Coalescer:
 
     def __init__(self, count: int, stream_interval: int) -> None:
         self.pending: list[Sourced] = []
+        # Set while `pending` has room: the reading tasks wait on it when it is full.
+        self._room = asyncio.Event()
+        self._room.set()
         self.stream_interval = stream_interval
         self.running = count
         self.failure: BaseException | None = None
@@ -287,6 +299,11 @@ class _Coalescer:
         try:
             async for message in source:
                 self.add(index, message)
+                if len(self.pending) >= MAX_PENDING:
+                    # Full: it goes out whatever the interval, and nothing more is read until it has.
+                    self._room.clear()
+                    self.wake()
+                    await self._room.wait()
         except Exception as error:  # APIError; `batches` raises it where the client would have seen it
             if self.failure is None:
                 self.failure = error
@@ -305,6 +322,7 @@ class _Coalescer:
             if self.pending:
                 batch = self.pending[:]
                 self.pending.clear()
+                self._room.set()
                 self._unsent_tokens = 0
                 self.batches_out += 1
                 return batch
@@ -312,6 +330,25 @@ class _Coalescer:
                 raise self.failure
             if not self.running:
                 return None
+
+
+# Every stream's coalescer while it lives, for the gauge: summed when /metrics is read, so that the relay
+# pays nothing per message for it.
+_LIVE: weakref.WeakSet[_Coalescer] = weakref.WeakSet()
+
+
+def _buffered_messages() -> float:
+    return sum(len(state.pending) for state in list(_LIVE))
+
+
+# prometheus_client's multiprocess mode (--api-server-count > 1) adds up files each process writes, and a
+# function gauge writes none: there the gauge is left out rather than shown as a constant 0.
+if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+    Gauge(
+        "taco_llm_gateway_stream_buffered_messages",
+        f"Engine messages held for streams whose clients have not taken them yet (at most {MAX_PENDING} a stream)",
+        registry=REGISTRY,
+    ).set_function(_buffered_messages)
 
 
 async def coalesced(sources: list[AsyncIterator[engine_pb2.GenerateResponse]], *,
@@ -329,6 +366,7 @@ async def coalesced(sources: list[AsyncIterator[engine_pb2.GenerateResponse]], *
     came before it; leaving the loop early stops every source."""
     LOOP_LOAD.watch()
     state = _Coalescer(len(sources), stream_interval)
+    _LIVE.add(state)
     tasks = [asyncio.create_task(state.pump(i, s)) for i, s in enumerate(sources)]
     try:
         while (batch := await state.take()) is not None:

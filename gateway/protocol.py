@@ -11,9 +11,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from taco_llm.protos.engine_limits import CHAT_ROLES
+
 
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # NaN and Infinity parse from JSON (Python's json takes them) but are no value of any field.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class StreamOptions(_Lenient):
@@ -58,10 +61,15 @@ class ToolCallParam(_Lenient):
 class ContentPartParam(_Lenient):
     type: str
     text: str | None = None
+    # The payload of OpenAI's "refusal" parts and vLLM's "thinking" parts (an assistant's earlier turns).
+    refusal: str | None = None
+    thinking: str | None = None
 
 
 class ChatMessageParam(_Lenient):
-    role: str
+    # The schema names OpenAI's roles (the worker refuses others, naming the field); validation leaves
+    # that to the worker, so that gRPC clients get the same answer.
+    role: str = Field(json_schema_extra={"enum": list(CHAT_ROLES)})
     content: str | list[ContentPartParam] | None = None
     name: str | None = None
     tool_call_id: str | None = None
@@ -112,7 +120,7 @@ class SamplingFields(_Lenient):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessageParam]
+    messages: list[ChatMessageParam] = Field(json_schema_extra={"minItems": 1})
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
@@ -151,3 +159,134 @@ class TokenizeRequest(_Lenient):
 class DetokenizeRequest(_Lenient):
     model: str | None = None
     tokens: list[int]
+
+
+# ---- What the routes answer, for /openapi.json only: the handlers build plain dicts, and these models
+# document them (FastAPI's `responses=`), so that a client generator, or the schemathesis fuzz in
+# tests/test_fuzz_gateway.py, can check every answer against them. Fields some answers leave out (an
+# option's output) have defaults, which keeps them out of `required`.
+
+
+class ErrorDetail(_Lenient):
+    message: str
+    type: str
+    # The request field at fault, as the client named it; null where no one field is.
+    param: str | None
+    # A string code ("model_not_found", "invalid_api_key", ...) or the HTTP status.
+    code: str | int | None
+
+
+class ErrorResponse(_Lenient):
+    """OpenAI's error JSON: every refusal the gateway makes, and errors in a stream's events."""
+
+    error: ErrorDetail
+
+
+class PromptTokensDetails(_Lenient):
+    cached_tokens: int
+
+
+class UsageInfo(_Lenient):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class ChatMessageOut(_Lenient):
+    role: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ChatChoice(_Lenient):
+    index: int
+    message: ChatMessageOut
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+    # The stop string, or the stop token id, that ended the choice; null for EOS or length.
+    stop_reason: str | int | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(_Lenient):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+
+
+class CompletionChoice(_Lenient):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+
+
+class CompletionResponse(_Lenient):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None
+
+
+class StreamEvent(_Lenient):
+    """One server-sent event of a stream (`stream: true`): `data` is a chunk's JSON (a
+    chat.completion.chunk or text_completion object, or an ErrorResponse where the stream failed
+    midway), and the last event's data is `[DONE]`."""
+
+    data: str
+
+
+class TokenizeResponse(_Lenient):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(_Lenient):
+    prompt: str
+
+
+class ModelCard(_Lenient):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    # The base model a LoRA adapter adapts; null for a base model.
+    parent: str | None
+    max_model_len: int
+
+
+class ModelList(_Lenient):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class VersionResponse(_Lenient):
+    version: str
+    # The workers' vLLM version; a list where they differ (or none is ready).
+    vllm: str | list[str]
+
+
+class HealthStatus(_Lenient):
+    status: Literal["ok", "unavailable"]
+
+
+class MetricsTargetGroup(_Lenient):
+    """Prometheus' HTTP service-discovery format: one group per worker."""
+
+    targets: list[str]
+    labels: dict[str, str]

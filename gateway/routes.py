@@ -1,5 +1,12 @@
 """The HTTP routes: each parses its body (FastAPI, with the types of protocol.py), hands it to its
-serving object and returns what that gives."""
+serving object and returns what that gives.
+
+Every route documents what it answers in /openapi.json: its body's model, its answers' models by status
+(protocol.py), and the media types (JSON, server-sent events, Prometheus text). The handlers return
+ready dicts or Responses, so the models document and never filter (`response_model=None`).
+tests/test_openapi_schema.py checks that every route documents its body and answers, and
+tests/test_fuzz_gateway.py fuzzes the running gateway against this schema.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +14,72 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 
+from .auth import isolated_cache_salt
 from .metrics import REGISTRY, all_processes_registry
-from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    HealthStatus,
+    MetricsTargetGroup,
+    ModelList,
+    StreamEvent,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
 from .serving_chat import ServingChat
 from .serving_completion import ServingCompletion
 from .serving_models import ServingModels
 from .serving_tokenization import ServingTokenization
+
+# FastAPI's `responses=` entries, keyed by status (an int, or "4XX" for a range).
+Responses = dict[int | str, dict[str, Any]]
+
+
+def _error(description: str) -> dict[str, Any]:
+    return {"model": ErrorResponse, "description": description}
+
+
+# What any route may refuse with. "4XX" also keeps FastAPI from documenting its 422, which this app
+# never sends (a body that does not parse is a 400, as in vLLM's server); its entry covers the
+# refusals of the request limits (431 for headers, ...), all OpenAI error JSON too.
+_REFUSALS: Responses = {
+    401: _error("Missing or invalid API key (the server runs with --api-key)."),
+    429: _error("Over the key's rate limit; Retry-After says when to try again."),
+    "4XX": _error("Any other refusal of the request, as OpenAI error JSON naming the field."),
+}
+# What a route that reads a body adds: a bad field, an unknown model, a body over the size limit.
+_BODY_REFUSALS: Responses = {
+    400: _error("A field is invalid (the error's `param` names it), or the body is not JSON."),
+    404: _error("The model is not served (code `model_not_found`)."),
+    413: _error("The body is over the size limit."),
+}
+# No worker can take the request right now: retry after Retry-After seconds.
+_UNAVAILABLE: Responses = {503: _error("No worker is ready for the model; retry after Retry-After seconds.")}
+
+
+def _ok(model: type[BaseModel], description: str, *, streams: bool = False) -> Responses:
+    """A 200 answer of `model` as JSON; where the request may ask for a stream, also server-sent events."""
+    answer: dict[str, Any] = {"model": model, "description": description}
+    if streams:
+        answer["content"] = {"text/event-stream": {"schema": StreamEvent.model_json_schema()}}
+    return {200: answer}
+
+
+def _answers(*parts: Responses) -> Responses:
+    merged: Responses = {}
+    for part in parts:
+        merged.update(part)
+    return merged
 
 
 @dataclass(frozen=True)
@@ -30,43 +94,70 @@ class Servings:
 
 def api_router(servings: Servings, *, all_processes_metrics: bool = False) -> APIRouter:
     """all_processes_metrics: /metrics adds up every API server process's (--api-server-count)."""
-    # The return annotations are FastAPI's response models: `Any` (no model) where a handler may return
-    # a ready Response, `dict[str, Any]` where it returns JSON; they shape /openapi.json.
     router = APIRouter()
+    generate_answers = _answers(_REFUSALS, _BODY_REFUSALS, _UNAVAILABLE)
 
-    @router.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions", response_model=None, responses=_answers(
+        _ok(ChatCompletionResponse, "The reply; with `stream: true`, chat.completion.chunk events.", streams=True),
+        generate_answers))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        body.cache_salt = isolated_cache_salt(request, body.cache_salt)  # before routing reads it
         return await servings.chat.create(body, request)
 
-    @router.post("/v1/completions")
+    @router.post("/v1/completions", response_model=None, responses=_answers(
+        _ok(CompletionResponse, "The completion; with `stream: true`, text_completion events.", streams=True),
+        generate_answers))
     async def completions(body: CompletionRequest, request: Request) -> Any:
+        body.cache_salt = isolated_cache_salt(request, body.cache_salt)
         return await servings.completion.create(body, request)
 
-    @router.get("/health")
+    @router.get("/health", response_model=None, responses={
+        200: {"model": HealthStatus, "description": "A worker is ready."},
+        503: {"model": HealthStatus, "description": "No worker is ready; retry after Retry-After seconds."},
+        # Only the request limits refuse here: /health needs no API key.
+        "4XX": _error("The request is over a limit (its headers' size)."),
+    })
     async def health() -> Response:
         return servings.models.health()
 
-    @router.get("/version")
+    @router.get("/version", response_model=None, responses=_answers(
+        _ok(VersionResponse, "This server's version and its workers' vLLM version."), _REFUSALS))
     async def version_route() -> dict[str, Any]:
         return servings.models.version()
 
-    @router.get("/v1/models")
+    @router.get("/v1/models", response_model=None, responses=_answers(
+        _ok(ModelList, "The served models and LoRA adapters."), _REFUSALS, _UNAVAILABLE))
     async def models() -> dict[str, Any]:
         return servings.models.models()
 
-    @router.post("/tokenize")
+    @router.post("/tokenize", response_model=None, responses=_answers(
+        _ok(TokenizeResponse, "The prompt's (or the rendered chat's) token ids."), _REFUSALS, _BODY_REFUSALS,
+        _UNAVAILABLE))
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         return await servings.tokenization.tokenize(body)
 
-    @router.post("/detokenize")
+    @router.post("/detokenize", response_model=None, responses=_answers(
+        _ok(DetokenizeResponse, "The token ids' text."), _REFUSALS, _BODY_REFUSALS, _UNAVAILABLE))
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         return await servings.tokenization.detokenize(body)
 
-    @router.get("/metrics/targets")
+    @router.get("/metrics/targets", response_model=None, responses={
+        200: {"description": "The workers' /metrics, as Prometheus HTTP service discovery.",
+              "content": {"application/json": {"schema": {
+                  "type": "array", "items": MetricsTargetGroup.model_json_schema()}}}},
+        **_REFUSALS,
+    })
     async def metrics_targets() -> list[dict[str, Any]]:
         return servings.models.metrics_targets()
 
-    @router.get("/metrics")
+    # PlainTextResponse documents the 200 as text; the refusals stay JSON, by their schema's reference
+    # (a `model` entry would take the route's text media type).
+    @router.get("/metrics", response_class=PlainTextResponse, responses={
+        200: {"description": "Prometheus text exposition."},
+        **{status: {"description": entry["description"],
+                    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+           for status, entry in _REFUSALS.items()},
+    })
     async def metrics() -> Response:
         registry = all_processes_registry() if all_processes_metrics else REGISTRY
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

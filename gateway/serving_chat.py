@@ -54,7 +54,8 @@ class ServingChat:
         engine_request = to_engine.chat_request(body, request_id)
         route_key = RouteKey(model=body.model, prefix_text=_prefix_text(body.messages),
                              cache_salt=body.cache_salt or "")
-        stream = await self.engines.generate(engine_request, to_engine.CHAT_PARAMS, route_key, arrival=arrival)
+        stream = await self.engines.generate(engine_request, to_engine.request_params(to_engine.CHAT_PARAMS, body),
+                                             route_key, arrival=arrival)
         include_usage, continuous_usage = usage_options(body.stream_options)
         context = RequestContext(
             request_id=request_id, model=stream.model_name, created=int(time.time()),

@@ -48,8 +48,11 @@ class OpenPrompt:
 class ServingCompletion:
     """Made once per app, with the workers and the server's output options (from flags)."""
 
-    def __init__(self, engines: EngineCalls, *, token_text: TokenText, stream_interval: int = 1) -> None:
+    def __init__(self, engines: EngineCalls, *, token_text: TokenText, stream_interval: int = 1,
+                 max_prompts_per_batch: int | None = None) -> None:
         self.engines = engines
+        # --max-prompts-per-batch: each prompt of a batch is an engine request of its own.
+        self.max_prompts_per_batch = max_prompts_per_batch
         self.token_text = token_text
         # vLLM's --stream-interval: at most one chunk per this many tokens (see from_engine.coalesced).
         self.stream_interval = stream_interval
@@ -77,13 +80,14 @@ class ServingCompletion:
         """Opens every prompt's stream at once, with its echo. If a stream or an echo is refused (an
         out-of-vocabulary token id, say), every stream opened is closed: their engine requests would
         run on, and the worker would look busier than it is."""
-        prompts = to_engine.completion_prompts(body.prompt)
+        prompts = to_engine.completion_prompts(body.prompt, max_prompts=self.max_prompts_per_batch)
+        param_names = to_engine.request_params(to_engine.COMPLETION_PARAMS, body)
         engine_requests = [
             to_engine.completion_request(body, p, f"{request_id}-{i}" if len(prompts) > 1 else request_id)
             for i, p in enumerate(prompts)
         ]
         opened = await asyncio.gather(
-            *(self.engines.generate(r, to_engine.COMPLETION_PARAMS, _route_key(body, p), arrival=arrival)
+            *(self.engines.generate(r, param_names, _route_key(body, p), arrival=arrival)
               for r, p in zip(engine_requests, prompts, strict=True)),
             return_exceptions=True,
         )

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from taco_llm.protos import engine_pb2
-
 from . import to_engine
 from .protocol import DetokenizeRequest, TokenizeRequest
 from .serving import EngineCalls
@@ -27,6 +25,5 @@ class ServingTokenization:
         return result
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
-        text = await self.engines.detokenize(
-            engine_pb2.DetokenizeRequest(model=body.model or "", token_ids=body.tokens), _DETOKENIZE_PARAMS)
+        text = await self.engines.detokenize(to_engine.detokenize_request(body), _DETOKENIZE_PARAMS)
         return {"prompt": text}

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
-from typing import Any, TypeVar, cast
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
 
 from google.protobuf import json_format, struct_pb2
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
 
 from taco_llm.protos import engine_pb2
 
@@ -14,6 +18,7 @@ from .protocol import (
     ChatCompletionRequest,
     ChatMessageParam,
     CompletionRequest,
+    DetokenizeRequest,
     SamplingFields,
     TokenizeRequest,
 )
@@ -21,10 +26,60 @@ from .protocol import (
 # The worker names proto fields; clients sent these. Keyed by the proto field name.
 CHAT_PARAMS = {"max_tokens": "max_completion_tokens", "logprobs": "top_logprobs", "chat": "messages",
                "chat.messages": "messages", "chat.tools": "tools", "chat.chat_template": "chat_template",
-               "chat.chat_template_kwargs": "chat_template_kwargs"}
+               "chat.chat_template_kwargs": "chat_template_kwargs", "chat.tool_choice": "tool_choice",
+               ".content_parts": "content", ".function_name": "function.name",
+               ".function_arguments": "function.arguments"}
 COMPLETION_PARAMS = {"text": "prompt", "token_ids": "prompt"}
 TOKENIZE_PARAMS = {"text": "prompt", "chat": "messages", "chat.messages": "messages",
                    "chat.chat_template": "chat_template", "chat.chat_template_kwargs": "chat_template_kwargs"}
+
+
+# What each proto number type carries. A value past these would make protobuf raise (a 500) or, for a
+# float, turn silently into infinity: each is refused here with a 400 naming the client's field. The
+# worker checks what the values mean (n at most its limit, a token id in the vocabulary...).
+_INT_RANGES = {
+    FieldDescriptor.CPPTYPE_INT32: (-(2**31), 2**31 - 1),
+    FieldDescriptor.CPPTYPE_INT64: (-(2**63), 2**63 - 1),
+    FieldDescriptor.CPPTYPE_UINT32: (0, 2**32 - 1),
+    FieldDescriptor.CPPTYPE_UINT64: (0, 2**64 - 1),
+}
+_FLOAT32_MAX = 3.4028234663852886e38
+_SHOWN_DIGITS = 30
+
+
+def _shown(value: float) -> str:
+    text = str(value)
+    return text if len(text) <= _SHOWN_DIGITS else f"{text[:_SHOWN_DIGITS]}... ({len(text)} characters)"
+
+
+def check_carried(cpp_type: int, value: float, param: str) -> None:
+    """Raises a 400 naming `param` where a proto field of `cpp_type` (FieldDescriptor.CPPTYPE_*) cannot
+    carry `value` as it is."""
+    if cpp_type in _INT_RANGES:
+        low, high = _INT_RANGES[cpp_type]
+        if not low <= value <= high:
+            raise bad_request(f"{param} must be an integer from {low} to {high}, got {_shown(value)}", param)
+    elif cpp_type in (FieldDescriptor.CPPTYPE_FLOAT, FieldDescriptor.CPPTYPE_DOUBLE):
+        limit = _FLOAT32_MAX if cpp_type == FieldDescriptor.CPPTYPE_FLOAT else math.inf
+        if not math.isfinite(value) or abs(value) > limit:
+            raise bad_request(f"{param} must be a finite number of at most {limit:.4g} in size, got {_shown(value)}",
+                              param)
+
+
+def _put(message: Message, name: str, value: Any, param: str) -> None:
+    """Sets a scalar field of `message`, after check_carried."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        check_carried(message.DESCRIPTOR.fields_by_name[name].cpp_type, value, param)
+    setattr(message, name, value)
+
+
+def checked_ids(message: Message, name: str, ids: Sequence[int], param: str) -> Sequence[int]:
+    """`ids` for the repeated number field `name`, after check_carried on the smallest and the largest."""
+    if ids:
+        cpp_type = message.DESCRIPTOR.fields_by_name[name].cpp_type
+        check_carried(cpp_type, min(ids), param)
+        check_carried(cpp_type, max(ids), param)
+    return ids
 
 
 def _stop_list(stop: str | list[str] | None) -> list[str]:
@@ -33,7 +88,7 @@ def _stop_list(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
-JsonMessage = TypeVar("JsonMessage", struct_pb2.Struct, struct_pb2.ListValue)
+JsonMessage = TypeVar("JsonMessage", struct_pb2.Struct, struct_pb2.ListValue, struct_pb2.Value)
 
 
 def _json_message(value: Any, into: JsonMessage, param: str, label: str) -> JsonMessage:
@@ -41,7 +96,7 @@ def _json_message(value: Any, into: JsonMessage, param: str, label: str) -> Json
     string, say) is a 400 naming `param`, its message starting with `label`."""
     try:
         return json_format.ParseDict(value, into)
-    except (json_format.ParseError, TypeError, ValueError) as error:
+    except (json_format.ParseError, TypeError, ValueError, OverflowError) as error:
         raise bad_request(f"{label}: {error}", param) from None
 
 
@@ -77,6 +132,33 @@ def _constraints(prefix: str, json_: str | dict[str, Any] | None, regex: str | N
     return found
 
 
+def _structured_output_param(body: SamplingFields) -> str | None:
+    """The client's field that gave the structured output (at most one does: _structured_output)."""
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        if getattr(body, name) is not None:
+            return name
+    so = body.structured_outputs
+    if so is not None:
+        for name, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                            ("grammar", so.grammar), ("json_object", so.json_object or None)):
+            if value is not None:
+                return f"structured_outputs.{name}"
+    if body.response_format is not None and body.response_format.type != "text":
+        return "response_format"
+    return None
+
+
+def request_params(base: Mapping[str, str], body: SamplingFields) -> Mapping[str, str]:
+    """`base` (CHAT_PARAMS, COMPLETION_PARAMS), with the worker's `structured_output` field named as
+    this request's client sent it (`guided_regex`, `structured_outputs.regex`, `response_format`...)."""
+    param = _structured_output_param(body)
+    if param is None:
+        return base
+    return {**base, "structured_output": param,
+            **{f"structured_output.{kind}": param for kind in ("json_schema", "json_object", "regex", "choice",
+                                                               "grammar", "backend")}}
+
+
 def _structured_output(body: SamplingFields) -> engine_pb2.StructuredOutput | None:
     kinds = _constraints("guided_", body.guided_json, body.guided_regex, body.guided_choice, body.guided_grammar)
     so = body.structured_outputs
@@ -105,25 +187,31 @@ def _structured_output(body: SamplingFields) -> engine_pb2.StructuredOutput | No
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     out: dict[int, float] = {}
+    entry = engine_pb2.SamplingParams.LogitBiasEntry.DESCRIPTOR.fields_by_name
     for key, value in (bias or {}).items():
         try:
-            out[int(key)] = value
+            token = int(key)
         except ValueError:
-            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+            raise bad_request(f"logit_bias keys must be token ids, got {key[:_SHOWN_DIGITS]!r}", "logit_bias") from None
+        check_carried(entry["key"].cpp_type, token, "logit_bias")
+        check_carried(entry["value"].cpp_type, value, "logit_bias")
+        out[token] = value
     return out
 
 
-def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> engine_pb2.SamplingParams:
+def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None, *,
+                    max_tokens_param: str = "max_tokens",
+                    logprobs_param: str = "logprobs") -> engine_pb2.SamplingParams:
     prompt_logprobs = body.prompt_logprobs
     if body.stream and prompt_logprobs is not None and (prompt_logprobs > 0 or prompt_logprobs == -1):
         # As vLLM's server: a stream has no place for them.
         raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
     params = engine_pb2.SamplingParams(
         stop=_stop_list(body.stop),
-        stop_token_ids=body.stop_token_ids or [],
         include_stop_str_in_output=bool(body.include_stop_str_in_output),
         ignore_eos=bool(body.ignore_eos),
     )
+    params.stop_token_ids.extend(checked_ids(params, "stop_token_ids", body.stop_token_ids or [], "stop_token_ids"))
     # Unset fields stay unset, so the worker applies the model's generation defaults.
     for name in ("temperature", "top_p", "top_k", "min_p", "min_tokens", "seed", "n",
                  "presence_penalty", "frequency_penalty", "repetition_penalty",
@@ -132,13 +220,13 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
         if value is not None:
             if name == "n" and value < 1:
                 raise bad_request(f"n must be at least 1, got {value}", "n")
-            setattr(params, name, value)
+            _put(params, name, value, name)
     if max_tokens is not None:
-        params.max_tokens = max_tokens
+        _put(params, "max_tokens", max_tokens, max_tokens_param)
     if logprobs is not None:
-        params.logprobs = logprobs
+        _put(params, "logprobs", logprobs, logprobs_param)
     if prompt_logprobs is not None:
-        params.prompt_logprobs = prompt_logprobs
+        _put(params, "prompt_logprobs", prompt_logprobs, "prompt_logprobs")
     for token, bias in _logit_bias(body.logit_bias).items():
         params.logit_bias[token] = bias
     structured = _structured_output(body)
@@ -155,7 +243,7 @@ def chat_messages(messages: list[ChatMessageParam]) -> list[engine_pb2.ChatMessa
             msg.content = m.content
         elif m.content is not None:
             msg.content_parts.extend(
-                engine_pb2.ContentPart(type=p.type, text=p.text or "") for p in m.content
+                engine_pb2.ContentPart(type=p.type, text=p.text or p.refusal or p.thinking or "") for p in m.content
             )
         for call in m.tool_calls or []:
             msg.tool_calls.append(engine_pb2.ToolCall(
@@ -187,7 +275,7 @@ def chat_input(
         # An empty list is passed on: the worker refuses it by name, as vLLM does.
         chat.tools.CopyFrom(_json_message(tools, struct_pb2.ListValue(), "tools", "tools"))
     if tool_choice is not None:
-        chat.tool_choice.CopyFrom(json_format.ParseDict(cast(Any, tool_choice), struct_pb2.Value()))
+        chat.tool_choice.CopyFrom(_json_message(tool_choice, struct_pb2.Value(), "tool_choice", "tool_choice"))
     if parallel_tool_calls is not None:
         chat.parallel_tool_calls = parallel_tool_calls
     if add_generation_prompt is not None:
@@ -200,7 +288,7 @@ def chat_input(
 def _common(request: engine_pb2.GenerateRequest, body: SamplingFields, request_id: str) -> None:
     request.request_id = request_id
     request.model = body.model or ""
-    request.priority = body.priority or 0
+    _put(request, "priority", body.priority or 0, "priority")
     request.cache_salt = body.cache_salt or ""
     if body.add_special_tokens is not None:
         request.add_special_tokens = body.add_special_tokens
@@ -212,6 +300,7 @@ def chat_request(body: ChatCompletionRequest, request_id: str) -> engine_pb2.Gen
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     request = engine_pb2.GenerateRequest(
         chat=chat_input(
@@ -224,14 +313,17 @@ def chat_request(body: ChatCompletionRequest, request_id: str) -> engine_pb2.Gen
             tool_choice=body.tool_choice,
             parallel_tool_calls=body.parallel_tool_calls,
         ),
-        sampling=sampling_params(body, max_tokens, logprobs),
+        sampling=sampling_params(body, max_tokens, logprobs, max_tokens_param=max_tokens_param,
+                                 logprobs_param="top_logprobs"),
     )
     _common(request, body, request_id)
     return request
 
 
-def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
-    """OpenAI allows one prompt or a batch, each as text or token ids."""
+def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]], *,
+                       max_prompts: int | None = None) -> list[str | list[int]]:
+    """OpenAI allows one prompt or a batch, each as text or token ids; a batch of at most `max_prompts`
+    (--max-prompts-per-batch: each prompt is an engine request of its own)."""
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
@@ -239,6 +331,9 @@ def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) ->
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]  # type: ignore[arg-type]
     if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+        if max_prompts is not None and len(prompt) > max_prompts:
+            raise bad_request(f"prompt is a batch of {len(prompt)} prompts, more than {max_prompts} (the server's "
+                              "--max-prompts-per-batch)", "prompt")
         return list(prompt)  # type: ignore[arg-type]
     raise bad_request("prompt must be a string, a list of strings, or token ids", "prompt")
 
@@ -254,8 +349,14 @@ def completion_request(
     if isinstance(prompt, str):
         request.text = prompt
     else:
-        request.token_ids.ids.extend(prompt)
+        request.token_ids.ids.extend(checked_ids(request.token_ids, "ids", prompt, "prompt"))
     _common(request, body, request_id)
+    return request
+
+
+def detokenize_request(body: DetokenizeRequest) -> engine_pb2.DetokenizeRequest:
+    request = engine_pb2.DetokenizeRequest(model=body.model or "")
+    request.token_ids.extend(checked_ids(request, "token_ids", body.tokens, "tokens"))
     return request
 
 

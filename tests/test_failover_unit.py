@@ -272,12 +272,23 @@ async def test_a_refusal_is_the_clients_answer_and_no_fault_of_the_worker() -> N
                for c in ("INVALID_ARGUMENT", "UNAVAILABLE")) == retries
 
 
+def _assert_no_internals(message: str, engines: list[tuple[str, FakeEngine]]) -> None:
+    """A client reads what failed in its terms: no worker address, no worker's or gRPC library's message
+    for a server-side fault (the gateway logs those)."""
+    assert message
+    for address, _ in engines:
+        assert address not in message and address.rpartition(":")[2] not in message, message
+    for internal in ("the fake engine is down", "the engine died", "UNAVAILABLE"):
+        assert internal not in message, message
+
+
 async def test_no_worker_left_before_the_first_token_is_a_503_with_retry_after() -> None:
     async with fake_engines(Behaviour(fail_before_start=True), Behaviour(fail_before_start=True)) as engines, \
             gateway(engines, max_retries=5) as (client, _):
         reply = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
         assert reply.status_code == 503, reply.text
         assert int(reply.headers["retry-after"]) >= 1
+        _assert_no_internals(reply.json()["error"]["message"], engines)
 
 
 async def test_every_worker_dying_mid_stream_ends_with_an_error_event() -> None:
@@ -289,6 +300,7 @@ async def test_every_worker_dying_mid_stream_ends_with_an_error_event() -> None:
         events = sse_events(reply.text)
         assert events[-1] == "[DONE]" and "error" in events[-2], events[-2:]
         assert events[-2]["error"]["code"] in ("no_engine_ready", "engine_failed")
+        _assert_no_internals(events[-2]["error"]["message"], engines)
         # What was sent before the failure is whole: no repeats from the continuation that also died.
         assert streamed_text(events) == "".join(token_text(i) for i in range(5))
     assert counter("taco_llm_router_migrations_total", {"outcome": "failed"}) == before + 1

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import grpc
+import httpx
 import pytest
 from fastapi.responses import StreamingResponse
 from starlette.requests import Request
@@ -350,3 +351,44 @@ def test_batched_histogram_observations_equal_plain_ones() -> None:
                 if not s.name.endswith("_created")]
 
     assert samples("batched_seconds") == samples("plain_seconds")
+
+
+async def test_an_unexpected_error_is_a_500_that_shows_nothing_internal() -> None:
+    app = create_app(GatewaySettings(engines=["127.0.0.1:1"]))
+
+    async def broken() -> None:
+        raise RuntimeError("pool state at 10.9.8.7:50051")
+
+    app.add_api_route("/broken", broken)
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+        reply = await client.get("/broken")
+    error = reply.json()["error"]
+    assert reply.status_code == 500 and error["type"] == "server_error"
+    assert "10.9.8.7" not in error["message"] and "RuntimeError" not in error["message"]
+
+
+def test_refusal_and_thinking_parts_carry_their_text_to_the_worker() -> None:
+    request = ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot"},
+                                          {"type": "thinking", "thinking": "hmm"}]}]})
+    parts = to_engine.chat_messages(request.messages)[1].content_parts
+    assert [(p.type, p.text) for p in parts] == [("refusal", "I cannot"), ("thinking", "hmm")]
+
+
+def test_validation_errors_name_the_field_without_union_tags() -> None:
+    from fastapi.testclient import TestClient
+
+    app = create_app(GatewaySettings(engines=["127.0.0.1:1"]))
+    with TestClient(app) as http:
+        for path, body, param in [
+            ("/v1/completions", {"model": "m", "prompt": 5}, "prompt"),
+            ("/v1/completions", {"model": "m"}, "prompt"),
+            ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": 5}]},
+             "messages[0].content"),
+            ("/v1/chat/completions", {"model": "m", "messages": [{"content": "x"}]}, "messages[0].role"),
+        ]:
+            error = http.post(path, json=body).json()["error"]
+            assert error["param"] == param, (body, error)
+            assert ".str" not in error["message"] and "list[" not in error["message"], error

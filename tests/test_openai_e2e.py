@@ -232,8 +232,13 @@ def test_over_long_prompt_is_400(client: openai.OpenAI) -> None:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello " * 3000}])
 
 
-def test_max_tokens_beyond_context_is_clamped_as_vllm_does(client: openai.OpenAI) -> None:
-    reply = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=100_000)
+def test_max_tokens_past_the_context_is_refused_and_within_it_clamped_as_vllm_does(client: openai.OpenAI) -> None:
+    # As vLLM's server: more than the whole context is a 400; what only the prompt leaves no room for is clamped.
+    with pytest.raises(openai.BadRequestError) as excinfo:
+        client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=100_000)
+    error = _error(excinfo)
+    assert error["param"] == "max_completion_tokens" and "max_tokens" in str(error["message"])
+    reply = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=2048)
     assert "Paris" in reply.choices[0].message.content and reply.choices[0].finish_reason == "stop"
 
 

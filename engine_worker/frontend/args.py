@@ -10,6 +10,9 @@ from dataclasses import dataclass
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.platforms import current_platform
 
+from taco_llm import grpc_security
+from taco_llm.preflight import CPU_DEFAULT_KV_CACHE_BYTES
+
 from ..handoff import WORKER_CLASS as SPECULATIVE_WORKER_CLASS
 from ..lookahead_settings import LookaheadOptions, add_lookahead_args, lookahead_options
 from ..vllm_internals import FlexibleArgumentParser
@@ -20,10 +23,9 @@ from .registry import RegistryOptions, add_registry_args, registry_options
 
 logger = logging.getLogger(__name__)
 
-# On CPU vLLM sizes the KV cache from 92% of the NUMA node's memory and fails when that much is not
-# free; a fixed size starts reliably. Compiling takes ~110 s there and once gave bf16 nonsense, so the
-# CPU default is eager mode. Both stay overridable (--kv-cache-memory-bytes, --no-enforce-eager).
-CPU_DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
+# On CPU the worker defaults to a fixed KV cache size (taco_llm/preflight.py says why) and to eager mode:
+# compiling takes ~110 s there and once gave bf16 nonsense. Both stay overridable (--kv-cache-memory-bytes,
+# --no-enforce-eager).
 
 
 @dataclass
@@ -41,6 +43,9 @@ class WorkerArgs:
     prefix_cache_service: str | None = None
     metrics_port: int | None = None
     registry: RegistryOptions | None = None  # --registry-url and its companions
+    grpc_tls: grpc_security.ServerTls | None = None  # --grpc-tls-*: None serves plain text
+    # --cache-service-api-key and --cache-service-tls-*: exported by parse() for vLLM's engine processes.
+    cache_service_client: grpc_security.CacheServiceClient | None = None
 
 
 def build_parser() -> FlexibleArgumentParser:
@@ -63,6 +68,8 @@ def build_parser() -> FlexibleArgumentParser:
                         "port, at the --grpc-host address")
     add_lookahead_args(parser)
     add_offload_args(parser)
+    grpc_security.add_server_tls_args(parser, "worker")
+    grpc_security.add_cache_service_client_args(parser)
     add_registry_args(parser)
     frontend_args.add_cli_args(parser)
     parser = AsyncEngineArgs.add_cli_args(parser)
@@ -88,6 +95,13 @@ def parse(argv: Sequence[str]) -> WorkerArgs:
     lookahead = lookahead_options(args, parser)
     cache_service = apply_offload_args(args, parser)
     registry = registry_options(args, parser)
+    try:
+        grpc_tls = grpc_security.server_tls_from_args(args)
+        cache_service_client = grpc_security.cache_service_client_from_args(args)
+    except grpc_security.SecurityConfigError as error:
+        parser.error(str(error))
+    # Now, before the engine starts: its processes inherit the environment, and build the clients there.
+    cache_service_client.export()
     frontend = frontend_args.from_cli_args(parser, args, _tokenizer_source(args, explicit_model))
     engine = AsyncEngineArgs.from_cli_args(args)
     if engine.speculative_config:
@@ -102,7 +116,7 @@ def parse(argv: Sequence[str]) -> WorkerArgs:
                       args.api_key or None, lookahead=lookahead, frontend=frontend,
                       cache_service=cache_service, metrics_port=args.metrics_port,
                       prefix_cache_service=cache_service if args.enable_prefix_cache_offload else None,
-                      registry=registry)
+                      registry=registry, grpc_tls=grpc_tls, cache_service_client=cache_service_client)
 
 
 def _tokenizer_source(args: argparse.Namespace, explicit_model: bool) -> str:

@@ -14,6 +14,12 @@ from pathlib import Path
 from vllm.exceptions import VLLMValidationError
 
 from ..vllm_internals import LoRAModulePath, LoRAParserAction, load_chat_template, tool_parser_names
+from .admission import (
+    DEFAULT_MAX_N,
+    DEFAULT_MAX_STOP_STRING_LENGTH,
+    DEFAULT_MAX_STOP_STRINGS,
+    AdmissionLimits,
+)
 from .lora import LoraProblem, check_adapter
 from .tools import ToolParserProblem, tool_parser_class
 
@@ -26,6 +32,7 @@ class FrontendOptions:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     lora_modules: list[LoRAModulePath] = field(default_factory=list)
+    admission: AdmissionLimits = field(default_factory=AdmissionLimits)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +49,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--lora-modules", nargs="+", action=LoRAParserAction, default=None,
                        help="LoRA adapters as name=path, or JSON {\"name\": ..., \"path\": ..., "
                        "\"base_model_name\": ...}; each is served as its own model name")
+    limits = parser.add_argument_group("request limits (each refusal names its field)")
+    limits.add_argument("--max-n", type=int, default=DEFAULT_MAX_N,
+                        help=f"most choices (n) one request may ask for (default {DEFAULT_MAX_N}, OpenAI's maximum)")
+    limits.add_argument("--max-stop-strings", type=int, default=DEFAULT_MAX_STOP_STRINGS,
+                        help=f"most stop strings one request may give (default {DEFAULT_MAX_STOP_STRINGS})")
+    limits.add_argument("--max-stop-string-length", type=int, default=DEFAULT_MAX_STOP_STRING_LENGTH,
+                        help="longest stop string, in characters: vLLM holds back that much streamed text "
+                        f"(default {DEFAULT_MAX_STOP_STRING_LENGTH})")
 
 
 def from_cli_args(parser: argparse.ArgumentParser, args: argparse.Namespace, tokenizer: str) -> FrontendOptions:
@@ -51,7 +66,13 @@ def from_cli_args(parser: argparse.ArgumentParser, args: argparse.Namespace, tok
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         lora_modules=list(args.lora_modules or []),
+        admission=AdmissionLimits(max_n=args.max_n, max_stop_strings=args.max_stop_strings,
+                                  max_stop_string_length=args.max_stop_string_length),
     )
+    for flag, value in (("--max-n", args.max_n), ("--max-stop-strings", args.max_stop_strings),
+                        ("--max-stop-string-length", args.max_stop_string_length)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
     if args.chat_template is not None:
         try:
             options.chat_template = load_chat_template(args.chat_template)

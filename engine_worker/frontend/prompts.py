@@ -14,6 +14,8 @@ from taco_llm.protos.rich_status import Reason
 from ..vllm_internals import UNTRUSTED_CHAT_TEMPLATE, BaseRenderer, ChatParams, merge_kwargs, parse_model_prompt
 from .sampling import InvalidField, json_value
 
+_PART_TEXT_KEYS = {"refusal": "refusal", "thinking": "thinking"}
+
 
 @dataclass(frozen=True)
 class ChatDefaults:
@@ -28,7 +30,9 @@ def _message_dict(message: engine_pb2.ChatMessage) -> dict[str, Any]:
     if message.HasField("content"):
         out["content"] = message.content
     elif message.content_parts:
-        out["content"] = [{"type": p.type, "text": p.text} for p in message.content_parts]
+        # vLLM's renderer reads a part's text under the key its type names ("refusal", "thinking").
+        out["content"] = [{"type": p.type, _PART_TEXT_KEYS.get(p.type, "text"): p.text}
+                          for p in message.content_parts]
     else:
         out["content"] = None
     if message.name:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +63,8 @@ _FLOAT_RANGES: dict[str, tuple[float, float, bool]] = {
 
 def _check_float(name: str, value: float) -> None:
     low, high, exclusive = _FLOAT_RANGES[name]
-    if value != value or value > high or value < low or (exclusive and value == low):
+    # NaN fails every comparison, and infinity is no sampling setting (vLLM would divide logits by it).
+    if not math.isfinite(value) or value > high or value < low or (exclusive and value == low):
         bracket = "(" if exclusive else "["
         raise InvalidField(name, f"{name} must be in {bracket}{low}, {high}], got {value}")
 
@@ -107,11 +109,15 @@ def to_vllm(
         if params.n < 1:
             raise InvalidField("n", f"n must be at least 1, got {params.n}")
         kwargs["n"] = params.n
-    # As vLLM's server does: a max_tokens beyond what the context has room for is clamped, not refused.
+    # As vLLM's server does: a max_tokens larger than the whole context is refused; one that only the
+    # prompt leaves no room for is clamped to the room left.
     room = limits.max_model_len - prompt_len
     if params.HasField("max_tokens"):
         if params.max_tokens < 1:
             raise InvalidField("max_tokens", f"max_tokens must be at least 1, got {params.max_tokens}")
+        if params.max_tokens > limits.max_model_len:
+            raise InvalidField("max_tokens", f"max_tokens={params.max_tokens} cannot be greater than this "
+                                             f"model's context length ({limits.max_model_len} tokens)")
         kwargs["max_tokens"] = min(params.max_tokens, room)
     else:
         kwargs["max_tokens"] = min(int(defaults.get("max_tokens") or room), room)
@@ -122,9 +128,13 @@ def to_vllm(
     for name in ("logprobs", "prompt_logprobs"):
         if params.HasField(name):
             value = getattr(params, name)
-            if value < 0 or value > limits.max_logprobs:
+            # vLLM reads -1 as "the whole vocabulary": refused here like any count past --max-logprobs.
+            # --max-logprobs -1 is vLLM's "no cap": then the vocabulary is the only bound.
+            most = limits.vocab_size if limits.max_logprobs < 0 else min(limits.max_logprobs, limits.vocab_size)
+            if value < 0 or value > most:
                 raise InvalidField(
-                    name, f"{name} must be in [0, {limits.max_logprobs}] (--max-logprobs), got {value}"
+                    name, f"{name} must be in [0, {most}] (--max-logprobs {limits.max_logprobs}, vocabulary "
+                          f"{limits.vocab_size} tokens), got {value}"
                 )
             kwargs[name] = value
     if params.HasField("seed"):

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, NoReturn
 
 import grpc
+import jinja2
 import vllm
 from vllm.exceptions import VLLMClientError, VLLMValidationError
 from vllm.lora.request import LoRARequest
@@ -22,8 +23,10 @@ from taco_llm.protos import engine_pb2, engine_pb2_grpc
 from taco_llm.protos.rich_status import Reason, abort, invalid_argument
 from taco_llm.version import package_version
 
+from ..handoff import LOOKAHEAD_SCOPE_ARG, lookahead_scope
 from ..vllm_internals import is_context_overflow
 from . import prompts
+from .admission import StructuredOutputCheck, check_amplifiers, check_chat_messages, constraint_field
 from .drain import StreamGate
 from .engine import LoadTracker
 from .frontend_args import FrontendOptions
@@ -119,6 +122,10 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         # The model's generation_config.json defaults (temperature, top_p, ...), as vLLM's server applies them.
         self.sampling_defaults: dict[str, Any] = self.model_config.get_diff_sampling_param()
         self.structured_backend = engine.vllm_config.structured_outputs_config.backend
+        self.admission = frontend.admission
+        self.structured_check = StructuredOutputCheck(engine.vllm_config, self.tokenizer, self.limits.vocab_size)
+        # A text-only model's renderer cannot take image, audio, video or file parts.
+        self.multimodal = bool(self.model_config.is_multimodal_model)
         self.running: set[str] = set()
         self.created = int(time.time())
         self.loaded_adapters: set[str] = set()
@@ -159,15 +166,26 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             raise InvalidField("input", "one of text, token_ids or chat is required", Reason.FIELD_REQUIRED)
         try:
             if kind == "chat":
+                check_chat_messages(request.chat.messages, multimodal=self.multimodal)
                 return await prompts.render_chat(self.renderer, request.chat, add_special, self.chat_defaults)
             if kind == "text":
                 return await prompts.render_text(self.renderer, self.model_config, request.text, add_special)
             assert isinstance(request, engine_pb2.GenerateRequest)
             return prompts.token_input(list(request.token_ids.ids), self.limits.vocab_size)
+        except InvalidField:
+            raise
         except VLLMValidationError as error:
             if is_context_overflow(error):
                 raise TooLong(str(error)) from None
             raise InvalidField(kind, str(error)) from None
+        except jinja2.TemplateError as error:
+            # The chat template's own refusal (its raise_exception(): "roles must alternate", say).
+            raise InvalidField(kind, f"the chat template refuses this input: {error}") from None
+        except (ValueError, TypeError, KeyError) as error:
+            # The renderer's other refusals: a message shape the template or a content-part parser cannot
+            # take. The input is at fault, not the worker; the library's text is logged, not returned.
+            logger.info("input refused by the renderer: %s: %s", type(error).__name__, error)
+            raise InvalidField(kind, f"the {kind} input cannot be rendered for this model") from None
 
     def _check_length(self, prompt_len: int, kind: str) -> None:
         if prompt_len == 0:
@@ -198,24 +216,33 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 f"this worker's structured-output backend is {self.structured_backend!r}; vLLM's V1 engine "
                 f"cannot switch it per request (asked for {so.backend!r})", Reason.STRUCTURED_OUTPUT_BACKEND_FIXED,
             )
+        check_amplifiers(request.sampling, self.admission)
         resumed = list(request.resume.output_token_ids)
         prompts.check_token_ids(resumed, self.limits.vocab_size, field=RESUME_IDS_FIELD)
         sampling = _resumed_sampling(request.sampling, len(resumed), self.sampling_defaults)
         tools = None
         if kind == "chat":
+            check_chat_messages(request.chat.messages, multimodal=self.multimodal)
             tools = self.tool_calling.prepare(prompts.chat_messages(request.chat), prompts.chat_tools(request.chat),
                                               request.chat, structured(so))
         engine_input = await self._render(request)
+        if request.cache_salt:
+            # vLLM mixes it into the prefix-cache block hashes, which also key the KV offload's blocks.
+            engine_input["cache_salt"] = request.cache_salt
         if resumed:
             # The engine continues from the resumed tokens as if they were the prompt's tail.
             engine_input = prompts.token_input(list(engine_input["prompt_token_ids"]) + resumed,
                                                self.limits.vocab_size, cache_salt=engine_input.get("cache_salt"))
         prompt_len = len(engine_input["prompt_token_ids"])
         self._check_length(prompt_len, kind)
-        params = to_vllm(sampling, self.limits, prompt_len, self.sampling_defaults,
-                         tools.sampling_overrides() if tools is not None else None)
+        overrides = tools.sampling_overrides() if tools is not None else None
+        params = to_vllm(sampling, self.limits, prompt_len, self.sampling_defaults, overrides)
+        if request.cache_salt:
+            params.extra_args = {**(params.extra_args or {}), LOOKAHEAD_SCOPE_ARG: lookahead_scope(request.cache_salt)}
         if resumed:
             _check_resumable(params)
+        await self.structured_check.check(
+            params, constraint_field(so, from_tools=bool(overrides and "structured_outputs" in overrides)))
         return engine_input, params, tools, resumed
 
     async def _generate(self, request: engine_pb2.GenerateRequest,
@@ -246,6 +273,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         builder = ResponseBuilder(request_id, params.logprobs or 0, tools, resumed=resumed_text)
         self.running.add(request_id)
         cut = False
+        started = False  # vLLM checks and queues the request before its first output
         try:
             # Cancelling this call (client gone, deadline passed) cancels the generator, and vLLM's
             # generate() aborts the request in the engine on the way out.
@@ -255,6 +283,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 trace_headers=self.tracing.trace_headers(),
             )) as outputs:
                 async for output in outputs:
+                    started = True
                     # Aborted while draining (at the drain's deadline, or by the engine's own shutdown):
                     # the client must learn that the stream did not finish, and resume it elsewhere.
                     if self.gate.draining and _cut_short(output):
@@ -267,6 +296,13 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         except VLLMClientError as error:
             # vLLM's other request errors name no parameter; the sampling parameters are what vLLM checks
             # once the request runs (the input was rendered and checked before).
+            await invalid_argument(context, str(error), "sampling")
+        except (ValueError, TypeError) as error:
+            if started:
+                raise
+            # What vLLM's input processor raises for a request, outside its own error classes.
+            logger.info("request %s refused by vLLM's input processor: %s: %s", request_id,
+                        type(error).__name__, error)
             await invalid_argument(context, str(error), "sampling")
         except EngineDeadError:
             self.on_engine_dead()
