@@ -25,9 +25,13 @@ from types import FrameType
 import uvicorn
 from uvicorn.main import STARTUP_FAILURE
 
+from taco_llm.grpc_security import SecurityConfigError, client_tls
+
 from .app import GatewaySettings, create_app
-from .args import add_gateway_args, add_routing_args
+from .args import add_gateway_args, add_request_limit_args, add_routing_args, add_tenant_args
 from .discovery import check_registry_url
+from .request_limits import RequestLimits
+from .tenants import ApiKeys, RateLimits, TenantConfigError
 from .tls import TlsError, tls_options
 from .user_middleware import MiddlewareError, load_middleware
 
@@ -39,14 +43,33 @@ def parse(argv: Sequence[str] | None) -> GatewaySettings:
                              "--registry-url, where workers register themselves)")
     parser.add_argument("--engine-api-key", default=None,
                         help="key sent to the workers in gRPC metadata, when they require one")
+    parser.add_argument("--engine-tls-ca", default=None, metavar="PEM",
+                        help="dial the workers over TLS, checking their certificates against this CA; each "
+                             "certificate must name the address dialled (default: none, plain text)")
+    parser.add_argument("--engine-tls-certfile", default=None, metavar="PEM",
+                        help="the gateway's client certificate, for workers started with --grpc-tls-client-ca "
+                             "(default: none)")
+    parser.add_argument("--engine-tls-keyfile", default=None, metavar="PEM",
+                        help="the unencrypted private key of --engine-tls-certfile (default: none)")
     add_gateway_args(parser)
     parser.add_argument("--api-server-index", type=int, default=None, help=argparse.SUPPRESS)
     add_routing_args(parser)
+    add_tenant_args(parser)
+    add_request_limit_args(parser)
     args = parser.parse_args(argv)
+    try:
+        request_limits = RequestLimits(
+            max_request_body_bytes=args.max_request_body_bytes, max_header_bytes=args.max_header_bytes,
+            max_json_depth=args.max_json_depth, max_prompts_per_batch=args.max_prompts_per_batch)
+    except ValueError as error:
+        parser.error(str(error))
     if args.api_server_count < 1:
         parser.error(f"--api-server-count {args.api_server_count} is not a number of processes (1 or more)")
     if args.stream_interval < 1:
         parser.error(f"--stream-interval {args.stream_interval} is not a number of tokens (1 or more)")
+    for flag in ("rate_limit_requests_per_minute", "rate_limit_tokens_per_minute"):
+        if getattr(args, flag) < 0:
+            parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)} is negative (0: no limit)")
     if args.shutdown_timeout < 0:
         parser.error(f"--shutdown-timeout {args.shutdown_timeout} is not a number of seconds (0 or more)")
     if not args.engine and not args.registry_url:
@@ -60,9 +83,15 @@ def parse(argv: Sequence[str] | None) -> GatewaySettings:
     _check_routing_args(parser, args)
     try:
         tls = tls_options(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+        engine_tls = client_tls(args.engine_tls_ca, args.engine_tls_certfile, args.engine_tls_keyfile,
+                                ca_flag="--engine-tls-ca", cert_flag="--engine-tls-certfile",
+                                key_flag="--engine-tls-keyfile")
         for path in args.middleware:
             load_middleware(path)  # a bad path is refused now, not when the first request comes
-    except (TlsError, MiddlewareError) as error:
+        # As vLLM: the flag wins over the environment.
+        api_keys = ApiKeys.from_flags(args.api_key, args.api_keys_file,
+                                      environment_key=os.environ.get("VLLM_API_KEY") or None)
+    except (TlsError, MiddlewareError, SecurityConfigError, TenantConfigError) as error:
         parser.error(str(error))
     return GatewaySettings(
         engines=args.engine,
@@ -72,9 +101,11 @@ def parse(argv: Sequence[str] | None) -> GatewaySettings:
         response_role=args.response_role,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         engine_api_key=args.engine_api_key,
+        engine_tls=engine_tls,
         root_path=args.root_path,
-        # As vLLM: the flag wins over the environment.
-        api_key=args.api_key or os.environ.get("VLLM_API_KEY") or None,
+        api_keys=api_keys or None,
+        tenant_isolation=args.tenant_isolation,
+        rate_limits=RateLimits(args.rate_limit_requests_per_minute, args.rate_limit_tokens_per_minute),
         allowed_origins=args.allowed_origins,
         allowed_methods=args.allowed_methods,
         allowed_headers=args.allowed_headers,
@@ -95,6 +126,7 @@ def parse(argv: Sequence[str] | None) -> GatewaySettings:
         api_server_index=args.api_server_index,
         stream_interval=args.stream_interval,
         shutdown_timeout=args.shutdown_timeout,
+        request_limits=request_limits,
     )
 
 

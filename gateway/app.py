@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.middleware.cors import CORSMiddleware
 
+from taco_llm.grpc_security import ClientTls
 from taco_llm.version import package_version
 
 from . import user_middleware
@@ -21,12 +22,15 @@ from .engine_pool import EnginePool
 from .errors import APIError, from_validation
 from .from_engine import TokenText
 from .metrics import MetricsMiddleware
+from .rate_limits import RateLimiter
+from .request_limits import RequestLimits, RequestLimitsMiddleware
 from .routes import Servings, api_router
 from .serving import EngineCalls, engine_metadata
 from .serving_chat import ServingChat
 from .serving_completion import ServingCompletion
 from .serving_models import ServingModels
 from .serving_tokenization import ServingTokenization
+from .tenants import ApiKeys, RateLimits
 from .tls import TlsOptions
 from .tracing import install_tracing
 
@@ -44,6 +48,7 @@ class GatewaySettings:
     return_tokens_as_token_ids: bool = False
     # Sent to the workers as gRPC metadata when they require a key.
     engine_api_key: str | None = None
+    engine_tls: ClientTls | None = None  # --engine-tls-*: None dials the workers in plain text
     # The fleet (args.ROUTING_FLAGS): discovery, routing, failover and traces.
     routing: str = "cache_aware"
     registry_url: str | None = None
@@ -56,8 +61,11 @@ class GatewaySettings:
     cache_aware_offload_discount: float = 0.75
     otlp_traces_endpoint: str | None = None
     root_path: str = ""
-    # Required of HTTP clients (`Authorization: Bearer KEY`) on every route but /health.
-    api_key: str | None = None
+    # Required of HTTP clients (`Authorization: Bearer KEY`) on every route but /health; None: no key.
+    api_keys: ApiKeys | None = None
+    # --tenant-isolation: named tenants get their own cache_salt (tenants.py); --rate-limit-*-per-minute.
+    tenant_isolation: bool = True
+    rate_limits: RateLimits = field(default_factory=RateLimits)
     allowed_origins: list[str] = field(default_factory=list)
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
@@ -72,6 +80,8 @@ class GatewaySettings:
     # only one, or the parent that starts them).
     api_server_count: int = 1
     api_server_index: int | None = None
+    # --max-request-body-bytes, --max-header-bytes, --max-json-depth, --max-prompts-per-batch.
+    request_limits: RequestLimits = field(default_factory=RequestLimits)
 
     @property
     def scheme(self) -> str:
@@ -90,7 +100,8 @@ async def _validation_error(_: Request, error: Exception) -> JSONResponse:
 
 async def _unexpected(_: Request, error: Exception) -> JSONResponse:
     logger.exception("unhandled error")
-    return APIError(500, f"internal error: {type(error).__name__}").response()
+    # What failed is in the log; the client learns only that it was the server's fault.
+    return APIError(500, "the server failed while handling this request").response()
 
 
 def create_app(settings: GatewaySettings, pool: EnginePool | None = None) -> FastAPI:
@@ -99,7 +110,7 @@ def create_app(settings: GatewaySettings, pool: EnginePool | None = None) -> Fas
         settings.engines, health_interval=settings.health_interval, metadata=metadata, routing=settings.routing,
         registry_url=settings.registry_url, balance_abs_threshold=settings.cache_aware_balance_abs_threshold,
         balance_rel_threshold=settings.cache_aware_balance_rel_threshold,
-        offload_discount=settings.cache_aware_offload_discount,
+        offload_discount=settings.cache_aware_offload_discount, tls=settings.engine_tls,
     )
 
     @contextlib.asynccontextmanager
@@ -120,15 +131,23 @@ def create_app(settings: GatewaySettings, pool: EnginePool | None = None) -> Fas
     app.include_router(api_router(Servings(
         chat=ServingChat(engines, response_role=settings.response_role, token_text=token_text,
                          stream_interval=settings.stream_interval),
-        completion=ServingCompletion(engines, token_text=token_text, stream_interval=settings.stream_interval),
+        completion=ServingCompletion(engines, token_text=token_text, stream_interval=settings.stream_interval,
+                                     max_prompts_per_batch=settings.request_limits.max_prompts_per_batch),
         models=ServingModels(pool),
         tokenization=ServingTokenization(engines),
     ), all_processes_metrics=settings.api_server_count > 1))
 
     # The last added runs first: metrics see every answer, CORS headers go on refusals too, and a
-    # user's middleware sees requests before the key check, as in vLLM.
-    if settings.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    # user's middleware sees requests before the key check, as in vLLM. Only a client with a key gets
+    # its body read (request_limits).
+    app.add_middleware(RequestLimitsMiddleware, limits=settings.request_limits)
+    limited = settings.rate_limits.requests_per_minute or settings.rate_limits.tokens_per_minute or (
+        settings.api_keys is not None and settings.api_keys.has_limits)
+    if settings.api_keys or limited:
+        app.add_middleware(ApiKeyMiddleware, keys=settings.api_keys,
+                           limiter=RateLimiter(settings.rate_limits) if limited else None,
+                           isolation=settings.tenant_isolation and settings.api_keys is not None
+                           and settings.api_keys.named)
     for path in settings.middleware:
         user_middleware.install(app, user_middleware.load_middleware(path))
     app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins,

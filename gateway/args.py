@@ -39,9 +39,11 @@ GATEWAY_FLAGS: list[tuple[str, dict[str, object]]] = [
     ("--return-tokens-as-token-ids", {"action": "store_true",
                                       "help": "show logprob tokens as 'token_id:N'"}),
     ("--root-path", {"default": "", "help": "FastAPI root_path behind a path-based routing proxy"}),
-    ("--api-key", {"default": None,
-                   "help": "require 'Authorization: Bearer KEY' on every route but /health "
-                           "(default: the VLLM_API_KEY environment variable, if set)"}),
+    ("--api-key", {"action": "append", "default": [], "metavar": "[TENANT=]KEY",
+                   "help": "require 'Authorization: Bearer KEY' on every route but /health; repeatable. "
+                           "TENANT=KEY gives the key to tenant TENANT ([A-Za-z0-9_.-]+; a value whose KEY "
+                           "part is empty or starts with '=' is a plain key, taken whole) "
+                           "(default: the VLLM_API_KEY environment variable, if set, taken whole)"}),
     ("--allowed-origins", {"type": json_string_list, "default": [],
                            "help": "CORS origins, as a JSON list (default: none)"}),
     ("--allowed-methods", {"type": json_string_list, "default": ["*"],
@@ -61,6 +63,23 @@ GATEWAY_FLAGS: list[tuple[str, dict[str, object]]] = [
     ("--middleware", {"action": "append", "default": [], "metavar": "MODULE.ATTR",
                       "help": "extra ASGI middleware by import path; repeatable. A function becomes "
                               "@app.middleware('http'), a class is added with app.add_middleware()"}),
+]
+
+# Tenants and their rate limits (docs/security.md); `taco_llm serve` hands the ones given to the gateway.
+TENANT_FLAGS: list[tuple[str, dict[str, object]]] = [
+    ("--api-keys-file", {"default": None, "metavar": "PATH",
+                         "help": "YAML or JSON: tenant name -> its keys, as a list or {keys: [...], "
+                                 "requests_per_minute: N, tokens_per_minute: N} (default: none)"}),
+    ("--tenant-isolation", {"action": argparse.BooleanOptionalAction, "default": True,
+                            "help": "with named tenants, salt each tenant's prompts apart (cache_salt set "
+                                    "by the gateway), so tenants never share KV blocks (default: on)"}),
+    ("--rate-limit-requests-per-minute", {"type": int, "default": 0, "metavar": "N",
+                                          "help": "requests per minute per tenant (per key for keys without "
+                                                  "a tenant), per gateway process (default: 0, no limit)"}),
+    ("--rate-limit-tokens-per-minute", {"type": int, "default": 0, "metavar": "N",
+                                        "help": "prompt + completion tokens per minute per tenant (per key "
+                                                "for keys without a tenant), per gateway process; counted "
+                                                "when a request ends (default: 0, no limit)"}),
 ]
 
 
@@ -113,7 +132,41 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, **kwargs)  # type: ignore[arg-type]
 
 
+def add_tenant_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("tenants and rate limits")
+    for flag, kwargs in TENANT_FLAGS:
+        group.add_argument(flag, **kwargs)  # type: ignore[arg-type]
+
+
 def add_routing_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("the fleet: discovery, routing, failover and the gateway's processes")
     for flag, kwargs in ROUTING_FLAGS:
+        group.add_argument(flag, **kwargs)  # type: ignore[arg-type]
+
+
+# The limits on one request's size and shape (gateway/request_limits.py); `taco_llm serve` hands the ones
+# given to the gateway.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
+DEFAULT_MAX_HEADER_BYTES = 64 * 1024
+DEFAULT_MAX_JSON_DEPTH = 64
+DEFAULT_MAX_PROMPTS_PER_BATCH = 128
+REQUEST_LIMIT_FLAGS: list[tuple[str, dict[str, object]]] = [
+    ("--max-request-body-bytes", {"type": int, "default": DEFAULT_MAX_REQUEST_BODY_BYTES, "metavar": "BYTES",
+                                  "help": "a larger request body is refused with 413 as it arrives, never "
+                                          "read whole (default: 33554432, 32 MiB)"}),
+    ("--max-header-bytes", {"type": int, "default": DEFAULT_MAX_HEADER_BYTES, "metavar": "BYTES",
+                            "help": "larger request headers (all of them together) are refused with 431 "
+                                    "(default: 65536, 64 KiB)"}),
+    ("--max-json-depth", {"type": int, "default": DEFAULT_MAX_JSON_DEPTH, "metavar": "LEVELS",
+                          "help": "a JSON body nested deeper is refused with 400 before it is parsed into a "
+                                  "request (default: 64)"}),
+    ("--max-prompts-per-batch", {"type": int, "default": DEFAULT_MAX_PROMPTS_PER_BATCH, "metavar": "N",
+                                 "help": "a completion with more prompts in its `prompt` list is refused with "
+                                         "400; each prompt is an engine request (default: 128)"}),
+]
+
+
+def add_request_limit_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("request limits")
+    for flag, kwargs in REQUEST_LIMIT_FLAGS:
         group.add_argument(flag, **kwargs)  # type: ignore[arg-type]

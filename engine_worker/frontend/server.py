@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 
 import grpc
 import prometheus_client
@@ -16,10 +17,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import multiprocess
 from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import EngineDeadError
 
+from taco_llm.grpc_decoding import RequestDecodingInterceptor
+from taco_llm.grpc_security import add_port
+from taco_llm.preflight import report_exit_reason
 from taco_llm.protos import engine_pb2_grpc
 from taco_llm.protos.engine_limits import ENGINE_SERVICE, GRPC_MESSAGE_LIMIT
 
+from .. import die_with_parent
 from ..handoff import PROMETHEUS_MULTIPROC_DIR
 from ..lookahead_settings import ConfigError, configure_lookahead
 from ..vllm_internals import get_prometheus_registry
@@ -33,8 +39,30 @@ from .tracing import Tracing
 
 logger = logging.getLogger(__name__)
 
+
+class WorkerStartError(RuntimeError):
+    """A start-up that cannot go on; its message names the flag and says why."""
+
+
 # Once the streams are done (or cut), calls still open (a GetLoad, a Tokenize) get this long to answer.
 STOP_GRACE_SECONDS = 1.0
+# How often the worker asks whether the engine is alive while no stream would tell it.
+ENGINE_CHECK_SECONDS = 0.5
+
+
+async def _watch_engine(engine: AsyncLLM, on_engine_dead: Callable[[], None]) -> None:
+    """Calls on_engine_dead once the engine has died. A stream learns it from its own call, but an idle
+    worker would otherwise go on answering SERVING with nothing behind it (vLLM's client notices the
+    EngineCore process's death in a thread of its own and only marks the engine dead)."""
+    while True:
+        await asyncio.sleep(ENGINE_CHECK_SECONDS)
+        try:
+            await engine.check_health()
+        except EngineDeadError:
+            logger.error("the engine's processes have died; stopping (exit code 1) so that a supervisor restarts "
+                         "this worker")
+            on_engine_dead()
+            return
 
 
 async def _log_stats(engine: AsyncLLM, interval: float) -> None:
@@ -71,12 +99,12 @@ async def serve(args: WorkerArgs, stop: asyncio.Event, *, hurry: asyncio.Event |
             configure_lookahead(args.lookahead, args.engine, _served_names(args)[0],
                                 getattr(args, "cache_service", None))
         except ConfigError as error:
-            logger.error("%s", error)
-            return 1
+            raise WorkerStartError(str(error)) from None
     if args.metrics_port is not None:
         # Before the engine starts, so that its processes write their metrics where we can read them.
         registry = _metrics_registry()
     load = LoadTracker()
+    die_with_parent.arm()  # before the engine's processes start: they must not outlive this one
     engine = start_engine(args.engine, load, prometheus=args.metrics_port is not None)
     served = _served_names(args)
     hurry = hurry or asyncio.Event()
@@ -94,6 +122,7 @@ async def serve(args: WorkerArgs, stop: asyncio.Event, *, hurry: asyncio.Event |
     interceptors: list[grpc.aio.ServerInterceptor] = [*tracing.interceptors]
     if args.api_key:
         interceptors.append(ApiKeyInterceptor(args.api_key))
+    interceptors.append(RequestDecodingInterceptor())  # after the key check: see taco_llm/grpc_decoding.py
     server = grpc.aio.server(options=[
         ("grpc.max_send_message_length", GRPC_MESSAGE_LIMIT),
         ("grpc.max_receive_message_length", GRPC_MESSAGE_LIMIT),
@@ -108,21 +137,19 @@ async def serve(args: WorkerArgs, stop: asyncio.Event, *, hurry: asyncio.Event |
     )
     address = f"{args.grpc_host}:{args.grpc_port}"
     try:
-        server.add_insecure_port(address)
+        add_port(server, address, args.grpc_tls)  # TLS with --grpc-tls-*
     except RuntimeError as error:
         engine.shutdown()
-        logger.error("cannot listen on %s (--grpc-host/--grpc-port): %s", address, error)
-        return 1
+        raise WorkerStartError(f"--grpc-host/--grpc-port: cannot listen on {address} ({error})") from None
     await server.start()
     if args.metrics_port is not None:
         try:
             prometheus_client.start_http_server(args.metrics_port, args.grpc_host, registry)
         except OSError as error:
-            logger.error("cannot serve metrics on %s:%d (--metrics-port): %s", args.grpc_host, args.metrics_port,
-                         error)
             await server.stop(0)
             engine.shutdown()
-            return 1
+            raise WorkerStartError(f"--metrics-port: cannot serve metrics on {args.grpc_host}:{args.metrics_port} "
+                                   f"({error})") from None
     for name in ("", ENGINE_SERVICE):
         await health_service.set(name, health_pb2.HealthCheckResponse.SERVING)
     print(f"taco_llm worker: serving {', '.join(served)} over gRPC at {address}", flush=True)
@@ -135,11 +162,12 @@ async def serve(args: WorkerArgs, stop: asyncio.Event, *, hurry: asyncio.Event |
     stats_task = None
     if not args.engine.disable_log_stats:
         stats_task = asyncio.create_task(_log_stats(engine, args.log_stats_interval))
+    watch_task = asyncio.create_task(_watch_engine(engine, on_engine_dead))
     stop_wait = asyncio.create_task(stop.wait())
     dead_wait = asyncio.create_task(engine_died.wait())
     await asyncio.wait({stop_wait, dead_wait}, return_when=asyncio.FIRST_COMPLETED)
     logger.info("shutting down%s", " (the engine died)" if engine_died.is_set() else "")
-    for task in (stop_wait, dead_wait, stats_task):
+    for task in (stop_wait, dead_wait, stats_task, watch_task):
         if task is not None:
             task.cancel()
     await drain(service.gate, service.cut_streams, health_service, registrar,
@@ -148,4 +176,7 @@ async def serve(args: WorkerArgs, stop: asyncio.Event, *, hurry: asyncio.Event |
     with contextlib.suppress(Exception):
         engine.shutdown()
     tracing.shutdown()
-    return 1 if engine_died.is_set() else 0
+    if engine_died.is_set():
+        report_exit_reason("the engine's processes died")
+        return 1
+    return 0
