@@ -26,6 +26,7 @@ commands:
 def serve(argv: Sequence[str]) -> int:
     from taco_llm.gateway.__main__ import parse as check_gateway_args
 
+    from .preflight import check_worker_argv
     from .serve_args import ServeArgsError, parse, worker_environments
     from .supervisor import STOP_GRACE_SECONDS, gateway_model, probe_host, probe_ssl_context
     from .supervisor import serve as run
@@ -39,6 +40,11 @@ def serve(argv: Sequence[str]) -> int:
         return 2
     for warning in [*args.warnings, *device_warnings]:
         print(f"taco_llm serve: warning: {warning}", file=sys.stderr)
+    problems = check_worker_argv(args.worker_argv, workers=args.num_workers)
+    if problems:  # now, in seconds, rather than from the engine a minute later
+        for problem in problems:
+            print(f"taco_llm serve: error: {problem}", file=sys.stderr)
+        return 2
     check_gateway_args(gateway_argv(args))  # refuses a bad gateway flag now, before any engine starts
     specs = child_specs(args, environments)
     scheme = "https" if args.ssl_certfile else "http"

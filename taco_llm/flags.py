@@ -54,9 +54,11 @@ FLAGS: list[Flag] = [
        "CORS origins, a JSON list (default [], as vLLM 0.32)"),
     _f("--allowed-methods", "gateway", "value", "allowed methods", "CORS methods, a JSON list (default [\"*\"])"),
     _f("--allowed-headers", "gateway", "value", "allowed headers", "CORS headers, a JSON list (default [\"*\"])"),
-    _f("--api-key", "gateway", "value", "require this key in the Authorization header",
-       "every route but /health needs `Authorization: Bearer KEY` (default: $VLLM_API_KEY); the worker "
-       "gets it too and wants it in gRPC metadata"),
+    _f("--api-key", "gateway", "append", "require this key in the Authorization header",
+       "every route but /health needs `Authorization: Bearer KEY` (default: $VLLM_API_KEY); the worker, "
+       "and the cache service serve starts, get it too and want it in gRPC metadata. Repeatable: "
+       "`TENANT=KEY` gives the key to a tenant, and several keys (or --api-keys-file) give the worker and "
+       "cache service a random key of their own (docs/security.md)"),
     _f("--lora-modules", "pass", "values", "LoRA modules as name=path",
        "name=path or vLLM's JSON form; each name is a model of its own (needs --enable-lora)"),
     _f("--prompt-adapters", "refuse", "values", "prompt adapters as name=path",
@@ -217,6 +219,14 @@ FLAGS: list[Flag] = [
 ]
 
 BY_NAME = {f.name: f for f in FLAGS}
+
+# The worker's own request limits, which `serve` hands on unchanged (its defaults: `taco_llm worker -h`).
+# Named here so that serve's parser does not read `--max-n` as an abbreviation of `--max-num-seqs`.
+WORKER_LIMIT_FLAGS: dict[str, str] = {
+    "--max-n": "most choices (n) one request may ask for (default 128, OpenAI's maximum)",
+    "--max-stop-strings": "most stop strings one request may give (default 64)",
+    "--max-stop-string-length": "longest stop string in characters (default 1024)",
+}
 
 _KIND_TEXT = {
     "gateway": "gateway",

@@ -13,10 +13,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from taco_llm.gateway.args import ROUTING_FLAGS
+from taco_llm.gateway.args import REQUEST_LIMIT_FLAGS, ROUTING_FLAGS, TENANT_FLAGS
+from taco_llm.gateway.tenants import TenantConfigError, serve_keys
+from taco_llm.grpc_security import serve_refusals
 
 from .config_file import ConfigFileError, expand_config
-from .flags import BY_NAME, FLAGS, Flag
+from .flags import BY_NAME, FLAGS, WORKER_LIMIT_FLAGS, Flag
 
 SERVE_USAGE = "taco_llm serve [model_tag] [options]"
 # TACO's speculative flags and their keys in vLLM 0.32's --speculative-config.
@@ -126,6 +128,9 @@ def _parser_and_flags() -> tuple[argparse.ArgumentParser, frozenset[str]]:
                            help="vLLM's flag: seconds a worker drains its requests on shutdown; serve waits "
                            "that long for its workers (plus a margin) before killing them"),
     ]
+    worker_limits = parser.add_argument_group("request limits (handed to the engine worker)")
+    actions += [worker_limits.add_argument(name, type=int, default=argparse.SUPPRESS, help=text)
+                for name, text in WORKER_LIMIT_FLAGS.items()]
     fleet = parser.add_argument_group("the fleet: discovery, routing, failover and the gateway's processes "
                                       "(handed to the gateway)")
     for name, kwargs in ROUTING_FLAGS:
@@ -137,6 +142,12 @@ def _parser_and_flags() -> tuple[argparse.ArgumentParser, frozenset[str]]:
             options["help"] = (f"{kwargs['help']}. serve's own workers register there too, and the gateway "
                                "watches it on top of their fixed addresses")
         actions.append(fleet.add_argument(name, **options))  # type: ignore[arg-type]
+    limits = parser.add_argument_group("request limits (handed to the gateway)")
+    for name, kwargs in REQUEST_LIMIT_FLAGS:
+        actions.append(limits.add_argument(name, **{**kwargs, "default": argparse.SUPPRESS}))  # type: ignore[arg-type]
+    tenants = parser.add_argument_group("tenants and rate limits (handed to the gateway; docs/security.md)")
+    for name, kwargs in TENANT_FLAGS:
+        actions.append(tenants.add_argument(name, **{**kwargs, "default": argparse.SUPPRESS}))  # type: ignore[arg-type]
     flags = {"-h", "--help", *(name for action in actions for name in action.option_strings)}
     return parser, frozenset(flags)
 
@@ -256,6 +267,7 @@ def _with_config_file(argv: list[str]) -> list[str]:
 
 
 def parse(argv: Sequence[str]) -> ServeArgs:
+    cli_keys = sum(1 for arg in argv if arg == "--api-key" or arg.startswith("--api-key="))
     argv = _with_config_file(list(argv))
     # The model comes first (`serve <model_tag> [options]`); finding it later would be ambiguous with
     # the values of vLLM flags this parser does not know.
@@ -263,6 +275,9 @@ def parse(argv: Sequence[str]) -> ServeArgs:
     parser = build_parser()
     namespace, extra = parser.parse_known_args(argv)
     given = {f.name: getattr(namespace, _dest(f)) for f in FLAGS if hasattr(namespace, _dest(f))}
+    if cli_keys and "--api-key" in given:
+        # The command line's keys replace the config file's, as with any flag given in both places.
+        given["--api-key"] = given["--api-key"][-cli_keys:]
     errors: list[str] = []
     warnings: list[str] = []
     gateway_argv: list[str] = []
@@ -281,14 +296,37 @@ def parse(argv: Sequence[str]) -> ServeArgs:
         elif flag.kind in ("refuse", "pending"):
             errors.append(f"{name}: {flag.note}")
     worker_argv += _mapped(given, errors)
+    for name in WORKER_LIMIT_FLAGS:
+        value = getattr(namespace, name[2:].replace("-", "_"), None)
+        if value is not None:
+            worker_argv += [name, str(value)]
     cache_service_argv = _cache_service(given, namespace.cache_service, namespace.redis_url, cache_argv,
                                         worker_argv, errors)
     # One key guards both hops: HTTP clients to the gateway, and the gateway to the worker.
-    api_key = str(given.get("--api-key") or os.environ.get("VLLM_API_KEY") or "") or None
+    # With tenants (several keys, or --api-keys-file) the hops get a key of their own (serve_keys).
+    try:
+        api_key, probe_key = serve_keys(given.get("--api-key") or [], getattr(namespace, "api_keys_file", None),
+                                        os.environ.get("VLLM_API_KEY") or None)
+    except TenantConfigError as error:
+        errors.append(str(error))
+        api_key = probe_key = None
     if api_key:
         worker_argv += ["--api-key", api_key]
         gateway_argv += ["--engine-api-key", api_key]
+        if cache_service_argv is not None:
+            # And the cache service serve starts (the workers' gRPC client of it sends it).
+            cache_service_argv += ["--api-key", api_key]
+            worker_argv += ["--cache-service-api-key", api_key]
     gateway_argv += _fleet_argv(namespace, given, worker_argv)
+    for name, _ in REQUEST_LIMIT_FLAGS:
+        if hasattr(namespace, dest := name[2:].replace("-", "_")):
+            gateway_argv += [name, str(getattr(namespace, dest))]
+    for name, _ in TENANT_FLAGS:
+        value = getattr(namespace, name[2:].replace("-", "_"), None)
+        if isinstance(value, bool):
+            gateway_argv.append(name if value else f"--no-{name[2:]}")
+        elif value is not None:
+            gateway_argv += [name, str(value)]
     if namespace.shutdown_timeout is not None:
         # The gateway too finishes its streams until then (it is stopped first, then the workers).
         worker_argv += ["--shutdown-timeout", str(namespace.shutdown_timeout)]
@@ -301,11 +339,12 @@ def parse(argv: Sequence[str]) -> ServeArgs:
                       f"cannot be combined with --num-workers {namespace.num_workers}")
     host = str(given.get("--host", "127.0.0.1"))
     port = _number("--port", str(given.get("--port", 8000)), int, errors)
+    errors += serve_refusals(extra, starts_cache_service=cache_service_argv is not None)
     if errors:
         raise ServeArgsError("\n".join(errors))
     cache_service_port = _ports(namespace, port, needs_cache_service=cache_service_argv is not None)
     return ServeArgs(gateway_argv, worker_argv + extra, namespace.grpc_host, namespace.grpc_port, host, port,
-                     namespace.ready_timeout, warnings, api_key, given.get("--ssl-certfile"),
+                     namespace.ready_timeout, warnings, probe_key, given.get("--ssl-certfile"),
                      given.get("--ssl-keyfile"), cache_service_argv, cache_service_port,
                      single_process=bool(given.get("--disable-frontend-multiprocessing")),
                      num_workers=namespace.num_workers, metrics_port=namespace.metrics_port,

@@ -8,6 +8,9 @@ What the supervisor runs is a list of ChildSpec: cli.py builds the real ones, te
 - The gateway dying stops serve; the cache service is restarted (losing it costs no request).
 - On SIGTERM or SIGINT: the gateway first (it finishes its streams), then the workers (they drain),
   then the cache service; each process group is killed once its leader is gone, so nothing is left.
+- When serve stops on a failure, its last line, printed once every child has stopped (after the
+  gateway's own shutdown lines), says which process failed and why: the reason the child wrote to
+  its EXIT_REASON_ENV file (preflight.report_exit_reason), when it wrote one.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import ssl
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -29,6 +34,8 @@ from typing import Literal
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from .preflight import EXIT_REASON_ENV
 
 # How long a child has to stop after SIGTERM before SIGKILL; workers get their drain time on top.
 STOP_GRACE_SECONDS = 20.0
@@ -147,6 +154,9 @@ class Supervisor:
         self.restart = restart or RestartPolicy()
         self.stopping = False
         self.cache_restarts = 0
+        # Why serve stops, when it stops on a failure: printed last, once everything has stopped.
+        self.failure: str | None = None
+        self.reasons = tempfile.mkdtemp(prefix="taco_llm_serve_")
 
     def _on_signal(self, signum: int, _: FrameType | None) -> None:
         if not self.stopping:
@@ -161,9 +171,23 @@ class Supervisor:
         for child in self.children:
             self._launch(child)
 
+    def _reason_file(self, child: Child) -> str:
+        return os.path.join(self.reasons, f"{self.children.index(child)}.txt")
+
+    def _reason(self, child: Child) -> str:
+        """The one line the child wrote about why it failed, if it wrote one."""
+        try:
+            with open(self._reason_file(child)) as file:
+                return file.readline().strip()
+        except OSError:
+            return ""
+
     def _launch(self, child: Child) -> int:
         """Starts the child's process; its pid."""
-        env = {**os.environ, **child.spec.env} if child.spec.env else None
+        reason_file = self._reason_file(child)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(reason_file)  # a restarted child's reason is its own
+        env = {**os.environ, **child.spec.env, EXIT_REASON_ENV: reason_file}
         # Own session: a Ctrl-C reaches only the supervisor, which then stops the children in order.
         process = subprocess.Popen(child.spec.argv, env=env, start_new_session=True, preexec_fn=_die_with_parent)
         child.process = process
@@ -218,19 +242,20 @@ class Supervisor:
             print(f"taco_llm: the {name} exited with {how}; restarting it", flush=True)
             child.restart_at = now
             return None
+        reason = self._reason(child)
+        why = f": {reason}" if reason else ""
         if child.spec.role != "worker":
-            print(f"taco_llm: the {name} exited with {how}; stopping", flush=True)
+            self.failure = f"the {name} exited with {how}{why}"
             return failure
         if not child.ever_ready:
-            print(f"taco_llm: the {name} exited with {how} before it ever became ready "
-                  f"({child.spec.health_address}); stopping", flush=True)
+            self.failure = f"the {name} exited with {how} before it ever became ready{why}"
             return failure
         policy = self.restart
         served_long = child.ready_at is not None and now - child.ready_at >= policy.healthy_after
         child.delay = policy.first_delay if served_long or not child.delay else min(child.delay * 2, policy.max_delay)
         child.restarts += 1
         child.restart_at = now + child.delay
-        print(f"taco_llm: the {name} exited with {how} after {now - child.started:.0f}s; restarting it in "
+        print(f"taco_llm: the {name} exited with {how}{why} after {now - child.started:.0f}s; restarting it in "
               f"{child.delay:g}s (restart {child.restarts})", flush=True)
         return None
 
@@ -284,10 +309,14 @@ def serve(specs: Sequence[ChildSpec], *, gateway_ready: Callable[[], str | None]
                     print(f"taco_llm: ready in {time.monotonic() - started:.1f}s, serving {model!r} at "
                           f"{base_url}/v1", flush=True)
             if not ready and time.monotonic() - started > ready_timeout:
-                print(f"taco_llm: not ready after {ready_timeout:.0f}s (--ready-timeout); stopping", flush=True)
+                supervisor.failure = f"not ready after {ready_timeout:.0f}s (--ready-timeout)"
                 code = 1
                 break
             time.sleep(POLL_SECONDS)
     finally:
         supervisor.stop()
+        shutil.rmtree(supervisor.reasons, ignore_errors=True)
+    if supervisor.failure is not None:
+        # On stdout, where the supervisor's other lines go, so that it is the last of them.
+        print(f"taco_llm serve: error: {supervisor.failure}; stopped", flush=True)
     return code

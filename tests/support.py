@@ -121,6 +121,48 @@ def start_stack(name: str, extra: list[str], log_dir: Path) -> Stack:
     return Stack(process, base_url, f"127.0.0.1:{grpc_port}")
 
 
+class WorkerProcess:
+    """`taco_llm worker` running, with a channel to its gRPC port: the Engine and Health stubs."""
+
+    def __init__(self, process: Process, port: int):
+        import grpc
+        from grpc_health.v1 import health_pb2_grpc
+
+        from taco_llm.protos import engine_pb2_grpc
+
+        self.process = process
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        self.engine = engine_pb2_grpc.EngineStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    def status(self, service: str = "") -> int:
+        from grpc_health.v1 import health_pb2
+
+        return self.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status  # type: ignore[no-any-return]
+
+    def serving(self) -> bool:
+        import grpc
+        from grpc_health.v1 import health_pb2
+
+        try:
+            return self.status() == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+
+
+def start_worker(name: str, args: list[str], log_dir: Path) -> WorkerProcess:
+    """`taco_llm worker ARGS` on a free gRPC port, once it reports SERVING."""
+    port = free_port()
+    process = start(name, ["worker", *args, "--grpc-port", str(port)], log_dir)
+    worker = WorkerProcess(process, port)
+    try:
+        wait_until(process, worker.serving)
+    except BaseException:
+        worker.channel.close()
+        raise
+    return worker
+
+
 @dataclass
 class RedisServer:
     """A real redis-server on a free port, restartable on it: with append-only persistence in its own
@@ -157,3 +199,56 @@ class RedisServer:
             self.popen.terminate()
             self.popen.wait(20)
         self.popen = None
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """One process's resources at a moment: resident memory and open file descriptors."""
+
+    rss: int
+    fds: int
+
+
+def process_footprints(root_pid: int) -> dict[str, Footprint]:
+    """The footprint of a process and of every process under it, by a name that stays the same while
+    they live: the module a `python -m` child runs (taco_llm.gateway, taco_llm.engine_worker), or else
+    the process's own name (vLLM's EngineCore sets its title), numbered where several share one."""
+    import psutil
+
+    root = psutil.Process(root_pid)
+    found: dict[str, Footprint] = {}
+    for process in [root, *root.children(recursive=True)]:
+        try:
+            argv = process.cmdline()
+            name = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else process.name()
+            footprint = Footprint(process.memory_info().rss, process.num_fds())
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+        key, n = name, 1
+        while key in found:
+            n += 1
+            key = f"{name}#{n}"
+        found[key] = footprint
+    return found
+
+
+def connections_to(pid: int, port: int) -> int:
+    """The TCP connections a process holds open to a local port (a gRPC channel's, say)."""
+    import psutil
+
+    return sum(1 for c in psutil.Process(pid).net_connections(kind="tcp")
+               if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED)
+
+
+def child_pid(root_pid: int, module: str) -> int:
+    """The pid of the process under root_pid that runs `python -m module`."""
+    import psutil
+
+    for process in psutil.Process(root_pid).children(recursive=True):
+        try:
+            argv = process.cmdline()
+        except psutil.NoSuchProcess:
+            continue
+        if "-m" in argv[:-1] and argv[argv.index("-m") + 1] == module:
+            return int(process.pid)
+    raise AssertionError(f"no process runs {module} under {root_pid}")

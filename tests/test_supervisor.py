@@ -36,7 +36,9 @@ def on_term(signum, frame):
     if not ignore_term:
         sys.exit(0)
 signal.signal(signal.SIGTERM, on_term)
-if lifetime == 0:
+if lifetime == 0:  # cannot start: says why, as the real worker does (preflight.report_exit_reason)
+    from taco_llm.preflight import report_exit_reason
+    report_exit_reason(f"--stand-in-flag: {name} cannot start")
     sys.exit(code)
 if port:
     import grpc
@@ -168,7 +170,10 @@ def test_a_worker_that_cannot_start_stops_everything(tmp_path: Path) -> None:
     finally:
         process.kill()
     assert code == 7, out
-    assert "the engine worker 1 exited with code 7 before it ever became ready" in out
+    # The last line, after every child has stopped: who failed, and the reason it gave.
+    assert out.strip().splitlines()[-1] == ("taco_llm serve: error: the engine worker 1 exited with code 7 before it "
+                                            "ever became ready: --stand-in-flag: engine worker 1 cannot start; "
+                                            "stopped"), out
     assert "restarting" not in out
     _assert_nothing_left(fleet)
 
@@ -184,7 +189,7 @@ def test_the_gateway_dying_stops_serve_and_a_stubborn_child_is_killed(tmp_path: 
     finally:
         process.kill()
     assert code == 5, out
-    assert "the gateway exited with code 5; stopping" in out
+    assert out.strip().splitlines()[-1] == "taco_llm serve: error: the gateway exited with code 5; stopped", out
     assert "the engine worker did not stop in 2s; killing it" in out
     _assert_nothing_left(fleet)
 

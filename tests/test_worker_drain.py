@@ -13,14 +13,14 @@ from pathlib import Path
 import grpc
 import pytest
 import redis
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from taco_llm.protos import engine_pb2, engine_pb2_grpc, rich_status
+from taco_llm.protos import engine_pb2, rich_status
 from taco_llm.protos.engine_limits import ENGINE_SERVICE
 from taco_llm.protos.registry_keys import REGISTRY_KEY_PREFIX
 
-from .support import Process, RedisServer, free_port, start, wait_until
+from .support import RedisServer, WorkerProcess, free_port, start_worker
 
 pytestmark = pytest.mark.e2e
 
@@ -48,35 +48,6 @@ class Collector(trace_service_pb2_grpc.TraceServiceServicer):
         return trace_service_pb2.ExportTraceServiceResponse()
 
 
-class Worker:
-    def __init__(self, process: Process, port: int):
-        self.process = process
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        self.engine = engine_pb2_grpc.EngineStub(self.channel)
-        self.health = health_pb2_grpc.HealthStub(self.channel)
-
-    def status(self, service: str) -> int:
-        return self.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status  # type: ignore[no-any-return]
-
-    def serving(self) -> bool:
-        try:
-            return self.status("") == health_pb2.HealthCheckResponse.SERVING
-        except grpc.RpcError:
-            return False
-
-
-def _start_worker(name: str, extra: list[str], log_dir: Path) -> Worker:
-    port = free_port()
-    process = start(name, ["worker", *FLAGS, "--grpc-port", str(port), *extra], log_dir)
-    worker = Worker(process, port)
-    try:
-        wait_until(process, worker.serving)
-    except BaseException:
-        worker.channel.close()
-        raise
-    return worker
-
-
 def _request(max_tokens: int) -> engine_pb2.GenerateRequest:
     return engine_pb2.GenerateRequest(text="Once upon a time", sampling=engine_pb2.SamplingParams(
         temperature=0, max_tokens=max_tokens, ignore_eos=True))
@@ -85,7 +56,8 @@ def _request(max_tokens: int) -> engine_pb2.GenerateRequest:
 class Stream(threading.Thread):
     """A Generate call read in the background; `first` is set once its first token arrived."""
 
-    def __init__(self, worker: Worker, request: engine_pb2.GenerateRequest, metadata: tuple[tuple[str, str], ...] = ()):
+    def __init__(self, worker: WorkerProcess, request: engine_pb2.GenerateRequest,
+                 metadata: tuple[tuple[str, str], ...] = ()):
         super().__init__(daemon=True)
         self.call = worker.engine.Generate(request, metadata=metadata)
         self.first = threading.Event()
@@ -134,8 +106,8 @@ def collector() -> Iterator[tuple[Collector, int]]:
 def test_drain_finishes_running_streams_and_refuses_new_ones(log_dir: Path, redis_server: RedisServer,
                                                              collector: tuple[Collector, int]) -> None:
     receiver, otlp_port = collector
-    worker = _start_worker("worker-drain", [
-        "--shutdown-timeout", "60", "--registry-url", redis_server.url, "--registry-ttl", "30",
+    worker = start_worker("worker-drain", [
+        *FLAGS, "--shutdown-timeout", "60", "--registry-url", redis_server.url, "--registry-ttl", "30",
         "--otlp-traces-endpoint", f"http://127.0.0.1:{otlp_port}",
     ], log_dir)
     registry = redis.Redis.from_url(redis_server.url)
@@ -170,7 +142,8 @@ def test_drain_finishes_running_streams_and_refuses_new_ones(log_dir: Path, redi
 
 def test_streams_past_the_shutdown_timeout_end_with_worker_draining(log_dir: Path) -> None:
     metrics_port = free_port()
-    worker = _start_worker("worker-cut", ["--shutdown-timeout", "1", "--metrics-port", str(metrics_port)], log_dir)
+    worker = start_worker("worker-cut", [*FLAGS, "--shutdown-timeout", "1", "--metrics-port", str(metrics_port)],
+                          log_dir)
     try:
         info = worker.engine.GetModelInfo(engine_pb2.GetModelInfoRequest())
         assert (info.metrics_port, info.prefix_cache_service) == (metrics_port, "")

@@ -16,8 +16,11 @@ from taco_llm.engine_worker.frontend.outputs import ResumedText
 from taco_llm.engine_worker.frontend.tools import ToolCalling, tool_parser_class
 from taco_llm.protos import engine_pb2, engine_pb2_grpc, rich_status
 
+from .conftest import ENGINE_FLAGS
+
 MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 40
+CONTEXT_LENGTH = int(ENGINE_FLAGS[ENGINE_FLAGS.index("--max-model-len") + 1])  # the shared worker's
 
 
 # Byte-level BPE splits each of these characters over several tokens, and the model repeats them.
@@ -52,7 +55,7 @@ def _request(kind: str, *, resume: list[int] | None = None, content: str = "",
              **sampling: Any) -> engine_pb2.GenerateRequest:
     request = engine_pb2.GenerateRequest(model=MODEL, sampling=engine_pb2.SamplingParams(**sampling))
     if kind == "text":
-        request.text = "The three most famous rivers of Europe are"
+        request.text = content or "The three most famous rivers of Europe are"
     else:
         request.chat.messages.add(role="user",
                                   content=content or "Tell me a short story about a lighthouse keeper.")
@@ -106,10 +109,16 @@ def test_a_stream_resumed_inside_a_character_shows_each_character_once(engine: e
 
 @pytest.mark.e2e
 def test_resume_without_max_tokens_runs_to_the_end_of_the_context(engine: engine_pb2_grpc.EngineStub) -> None:
-    first = Run(list(engine.Generate(_request("text", temperature=0, max_tokens=3))))
-    rest = Run(list(engine.Generate(_request("text", resume=first.ids, temperature=0, min_tokens=5))))
+    # About 1,960 prompt tokens of the 2,048-token context, so that running to its end
+    # takes ~90 tokens, not ~2,000; the repetition keeps the model from stopping sooner.
+    prompt = "The Danube, the Rhine and the Volga are rivers of Europe. " * 140
+    first = Run(list(engine.Generate(_request("text", content=prompt, temperature=0, max_tokens=3))))
+    rest = Run(list(engine.Generate(_request("text", content=prompt, resume=first.ids, temperature=0,
+                                             min_tokens=5))))
     assert len(rest.ids) >= 5 - 3
     assert rest.usage.completion_tokens == 3 + len(rest.ids)
+    assert rest.finish_reason == engine_pb2.FINISH_REASON_LENGTH, rest.finish_reason
+    assert rest.usage.prompt_tokens + rest.usage.completion_tokens == CONTEXT_LENGTH
 
 
 @pytest.mark.e2e

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..vllm_internals import PlatformWorker, finished_request_ids, runner_drafter
-from . import sampling_fix
+from . import plain_sampling, sampling_fix
 from .lookahead.proposer import LookaheadProposer
 
 
@@ -27,6 +27,7 @@ class TacoWorker(PlatformWorker):
 
     def init_device(self) -> Any:
         result = super().init_device()
+        plain_sampling.install(self.model_runner)
         drafter = runner_drafter(self.model_runner)
         if isinstance(drafter, LookaheadProposer):
             drafter.bind_runner(self.model_runner)

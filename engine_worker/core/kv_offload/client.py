@@ -23,6 +23,7 @@ from typing import Protocol
 
 import grpc
 
+from taco_llm.grpc_security import CacheServiceClient
 from taco_llm.protos import kv_cache_pb2, kv_cache_pb2_grpc
 from taco_llm.protos.kv_cache_limits import CHUNK_BYTES, GRPC_MESSAGE_LIMIT, MAX_WINDOW_BYTES, SHM_DIR
 from taco_llm.protos.rich_status import Reason, has_reason
@@ -113,7 +114,8 @@ class KVBlockClient:
         self._load_window_lock = threading.Lock()  # held by the one load writing through it
         self._attached_once = False
         self.shm_dir = SHM_DIR
-        self._channel = grpc.insecure_channel(address, options=[
+        # TLS and the key as the worker's --cache-service-tls-* and --cache-service-api-key say.
+        self._channel = CacheServiceClient.from_environment().channel(address, options=[
             ("grpc.max_send_message_length", GRPC_MESSAGE_LIMIT),
             ("grpc.max_receive_message_length", GRPC_MESSAGE_LIMIT),
             # Reconnect soon after a restarted service comes back (gRPC's default waits up to 120 s).
