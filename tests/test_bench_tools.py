@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from taco_llm.protos import engine_pb2, engine_pb2_grpc
 from taco_llm.protos.engine_limits import ENGINE_SERVICE
 
-from .support import ROOT, free_port
+from .support import ROOT, free_port, http_status, start, wait_until
 
 BENCH = ROOT / "bench"
 
@@ -96,3 +96,26 @@ def test_the_relay_bench_writes_its_report(tmp_path: Path) -> None:
     gateway = rows["gateway"]
     assert {"gateway_cpu_s", "tokens_per_gateway_cpu_s", "added"} <= set(gateway)
     assert set(gateway["added"]) >= {"ttfb_p99_ms", "gap_p99_ms"}
+
+
+def test_the_soak_bench_writes_its_report(synthetic_engine: str, tmp_path: Path) -> None:
+    """bench/soak.py against a gateway in front of the synthetic engine: no errors, windows, process samples."""
+    port = free_port()
+    gateway = start("soak-smoke-gateway", ["gateway", "--engine", synthetic_engine, "--port", str(port)], tmp_path)
+    try:
+        wait_until(gateway, lambda: http_status(f"http://127.0.0.1:{port}/health") == 200, timeout=60)
+        out = tmp_path / "soak.json"
+        run = subprocess.run(
+            [sys.executable, str(BENCH / "soak.py"), "--url", f"http://127.0.0.1:{port}", "--pid",
+             str(gateway.popen.pid), "--model", "synthetic", "--requests", "24", "--concurrency", "4",
+             "--max-tokens", "4", "--warm-up", "4", "--window", "1", "--sample-every", "0.5", "--out", str(out)],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )
+        assert run.returncode == 0, run.stdout + run.stderr
+    finally:
+        gateway.stop()
+    report = json.loads(out.read_text())
+    assert (report["requests"], report["errors"]) == (24, 0)
+    assert sum(w["requests"] for w in report["windows"]) == 24
+    assert {"ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms"} <= set(report["windows"][0])
+    assert report["samples"] and "taco_llm.cli" in report["end"]["processes"]
