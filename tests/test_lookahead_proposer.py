@@ -3,6 +3,7 @@ stand-in for the runner's input batch (the end-to-end tests run it inside the re
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 from pathlib import Path
@@ -12,9 +13,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from taco_llm.engine_worker.core.lookahead import proposer as proposer_module
 from taco_llm.engine_worker.core.lookahead.acceptance import AcceptanceRate
 from taco_llm.engine_worker.core.lookahead.proposer import LookaheadProposer
-from taco_llm.engine_worker.handoff import LookaheadSettings
+from taco_llm.engine_worker.core.lookahead.sync import Sequence
+from taco_llm.engine_worker.handoff import LOOKAHEAD_SCOPE_ARG, LookaheadSettings, lookahead_scope
 
 
 class Batch:
@@ -47,12 +50,18 @@ def make_proposer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, confident: bo
 
 
 def step(proposer: LookaheadProposer, requests: dict[str, list[int]], prompt_lengths: dict[str, int],
-         sampled: dict[str, list[int]], max_tokens: int | None = None) -> dict[str, list[int]]:
+         sampled: dict[str, list[int]], max_tokens: int | None = None,
+         salts: dict[str, str] | None = None) -> dict[str, list[int]]:
     batch = Batch(requests, prompt_lengths)
     proposer.runner.input_batch = batch
-    # The runner's CachedRequestState: the proposer reads each request's max_tokens there.
-    proposer.runner.requests = {r: SimpleNamespace(sampling_params=SimpleNamespace(max_tokens=max_tokens))
-                                for r in requests}
+    # The runner's CachedRequestState: the proposer reads each request's max_tokens and, in extra_args, the
+    # scope the front process set from its cache_salt (engine_worker/frontend/service.py).
+    salts = salts or {}
+    proposer.runner.requests = {
+        r: SimpleNamespace(sampling_params=SimpleNamespace(
+            max_tokens=max_tokens,
+            extra_args={LOOKAHEAD_SCOPE_ARG: lookahead_scope(salts[r])} if salts.get(r) else None))
+        for r in requests}
     drafts = proposer.propose([sampled[r] for r in requests], batch.num_tokens_no_spec, batch.token_ids_cpu)
     return dict(zip(requests, drafts, strict=True))
 
@@ -88,7 +97,7 @@ def test_ignore_prompt_keeps_prompts_out_of_the_shared_index(tmp_path: Path,
     output = [50, 51, 52, 53, 54, 55, 56, 57, 58]
     step(proposer, {"a": [*PROMPT, *output]}, {"a": len(PROMPT)}, {"a": [58]})
     proposer.finish(["a"])
-    assert proposer.drafter.shared_tokens() == len(output) + 1  # the output and its separator only
+    assert proposer.scopes[""].shared_tokens() == len(output) + 1  # the output and its separator only
     assert step(proposer, {"b": [1, 2, 3, *output[:7]]}, {"b": 3}, {"b": [56]})["b"] == [57, 58]
 
 
@@ -129,7 +138,7 @@ def test_requests_running_side_by_side_draft_from_each_others_output(tmp_path: P
     requests = {"a": [*PROMPT, *output], "b": [1, 2, 3, 4, *output[:7]]}
     drafts = step(proposer, requests, {"a": len(PROMPT), "b": 4}, {"a": [63], "b": [56]})
     assert drafts["b"] == output[7:14]
-    assert proposer.drafter.shared_tokens() == 0, "nothing has finished: the draft came from the live request"
+    assert proposer.index_tokens == 0, "nothing has finished: the draft came from the live request"
 
 
 def test_live_drafts_leave_out_other_prompts_with_ignore_prompt(tmp_path: Path,
@@ -218,3 +227,78 @@ def test_the_debug_log_names_each_draft_and_verdict(tmp_path: Path, monkeypatch:
         assert any("drafted tokens accepted" in r.getMessage() for r in caplog.records)
     finally:
         proposer.close()
+
+
+# ------------------------------------------------------------------ scopes (tenants)
+
+OUTPUT = [50, 51, 52, 53, 54, 55, 56, 57, 58]
+ALICE, BOB = "tenant:alice:", "tenant:bob:"
+
+
+def test_a_finished_sequence_drafts_only_within_its_scope(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    proposer = make_proposer(tmp_path, monkeypatch)
+    step(proposer, {"a": [*PROMPT, *OUTPUT]}, {"a": len(PROMPT)}, {"a": [58]}, salts={"a": ALICE})
+    proposer.finish(["a"])
+    again = [1, 2, *PROMPT, 50]
+    names = ("bob", "plain", "alice")
+    drafts = step(proposer, dict.fromkeys(names, again), dict.fromkeys(names, 18), {name: [50] for name in names},
+                  salts={"bob": BOB, "alice": ALICE})
+    assert drafts == {"bob": [], "plain": [], "alice": [51, 52, 53, 54, 55, 56, 57]}
+    # Alice's salt is not what is kept: only its digest names her scope.
+    assert ALICE not in proposer.scopes and lookahead_scope(ALICE) in proposer.scopes
+
+
+def test_running_requests_draft_for_each_other_only_within_a_scope(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    proposer = make_proposer(tmp_path, monkeypatch)
+    output = list(range(50, 64))
+    # "a" (Alice) has produced the whole output; "bob" and "alice" are half way through it in the same step.
+    running = {"a": [*PROMPT, *output], "bob": [1, 2, 3, *output[:7]], "alice": [4, 5, 6, *output[:7]]}
+    drafts = step(proposer, running, {"a": len(PROMPT), "bob": 3, "alice": 3}, {"a": [63], "bob": [56], "alice": [56]},
+                  salts={"a": ALICE, "bob": BOB, "alice": ALICE})
+    assert drafts["bob"] == []
+    assert drafts["alice"] == output[7:14]
+
+
+def test_the_warmup_drafts_for_every_scope(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "lookahead_cache_warmup.json").write_text(json.dumps([{"prompt": PROMPT, "output": OUTPUT}]))
+    proposer = make_proposer(tmp_path, monkeypatch)
+    tokens = [7, *PROMPT[:5], *PROMPT[5:], 50]
+    for name, salt in (("bob", BOB), ("plain", "")):
+        assert step(proposer, {name: tokens}, {name: 1}, {name: [50]}, salts={name: salt})[name] == OUTPUT[1:8]
+
+
+def test_records_of_other_workers_draft_only_within_their_scope(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    proposer = make_proposer(tmp_path, monkeypatch)
+    # What IndexSync's subscriber puts in the inbox: another worker's finished sequence, with its scope.
+    proposer.sync = SimpleNamespace(inbox=collections.deque([Sequence(PROMPT, OUTPUT, lookahead_scope(ALICE))]))
+    again = [1, 2, *PROMPT, 50]
+    drafts = step(proposer, {"bob": again, "alice": again}, {"bob": 18, "alice": 18}, {"bob": [50], "alice": [50]},
+                  salts={"bob": BOB, "alice": ALICE})
+    assert drafts == {"bob": [], "alice": [51, 52, 53, 54, 55, 56, 57]}
+    proposer.sync = None
+
+
+def test_finished_sequences_are_published_with_their_scope(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    proposer = make_proposer(tmp_path, monkeypatch)
+    published: list[tuple[list[int], list[int], str]] = []
+    proposer.sync = SimpleNamespace(publish=lambda prompt, output, scope: published.append((prompt, output, scope)),
+                                    inbox=collections.deque())
+    step(proposer, {"a": [*PROMPT, *OUTPUT], "b": [*PROMPT, *OUTPUT]}, {"a": len(PROMPT), "b": len(PROMPT)},
+         {"a": [58], "b": [58]}, salts={"a": ALICE})
+    proposer.finish(["a", "b"])
+    assert published == [(PROMPT, OUTPUT, lookahead_scope(ALICE)), (PROMPT, OUTPUT, "")]
+    proposer.sync = None
+
+
+def test_scopes_past_the_limit_drop_the_least_recently_used_idle_one(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(proposer_module, "MAX_SCOPES", 3)  # "", and two tenants
+    proposer = make_proposer(tmp_path, monkeypatch)
+    for name in ("t1", "t2", "t3"):
+        step(proposer, {name: [*PROMPT, *OUTPUT]}, {name: len(PROMPT)}, {name: [58]}, salts={name: f"tenant:{name}:"})
+        proposer.finish([name])
+    assert list(proposer.scopes) == ["", lookahead_scope("tenant:t2:"), lookahead_scope("tenant:t3:")]
+    # t1's sequence went with its scope: a new request of t1 has nothing to draft from.
+    assert step(proposer, {"x": [1, *PROMPT, 50]}, {"x": 17}, {"x": [50]}, salts={"x": "tenant:t1:"})["x"] == []

@@ -25,3 +25,7 @@ sync_pending = Gauge("taco_llm_lookahead_sync_pending_records",
                      multiprocess_mode="livemax")
 sync_connected = Gauge("taco_llm_lookahead_sync_connected",
                        "1 while the cache service (and its Redis) answers, else 0", multiprocess_mode="livemax")
+scopes = Gauge("taco_llm_lookahead_scopes", "Scopes (one per cache_salt, so per tenant under isolation) with an index",
+               multiprocess_mode="livemax")
+dropped_scopes = Counter("taco_llm_lookahead_dropped_scopes",
+                         "Scopes whose index was dropped to stay within the budget or the scope limit")

@@ -4,6 +4,10 @@ vLLM calls `propose` once per engine step, after sampling, with every running re
 returns one draft per batch row, which the next step verifies. vLLM's rejection sampler keeps exactly
 the tokens the model itself would have produced, so drafts only change speed.
 
+Each request drafts only from sequences of its own scope (handoff.py's LOOKAHEAD_SCOPE_ARG, a digest of
+its cache_salt): one tenant's text never drafts for another. Every scope has its own drafter; the operator's
+warm-up sequences are read by all of them.
+
 Speculation pays only where drafts are accepted, and costs compute everywhere, which on CPUs shows.
 Each draft therefore stops where its tokens' estimated chance of acceptance no longer pays for their
 compute (acceptance.py), and nobody drafts while more than `target_parallelism` requests decode.
@@ -15,15 +19,22 @@ import logging
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ...handoff import WORKER_CLASS, LookaheadSettings
+from ...handoff import LOOKAHEAD_SCOPE_ARG, WORKER_CLASS, LookaheadSettings
 from ...lookahead_settings import load_config, load_warmup
-from ...vllm_internals import batch_prompt_length, batch_request_ids, runner_max_tokens, runner_request_ids
+from ...vllm_internals import (
+    batch_prompt_length,
+    batch_request_ids,
+    runner_max_tokens,
+    runner_request_extra_args,
+    runner_request_ids,
+)
 from . import metrics
 from .acceptance import PRIOR_WEIGHT, STEP_DECAY, AcceptanceRate, GlobalAcceptance, draft_token_cost
 from .index import Drafter, LiveSequence, TokenIndex
@@ -35,6 +46,10 @@ logger = logging.getLogger(__name__)
 INBOX_TOKENS_PER_STEP = 8192
 DEFAULT_TARGET_PARALLELISM = 8
 GAUGE_INTERVAL_SECONDS = 1.0
+# Scopes with a drafter of their own at once. Each costs a little even when empty, and a step looks at
+# only its requests' scopes; beyond this the least recently used one without a running request is dropped
+# (as a scope is when all of them together outgrow the budget).
+MAX_SCOPES = 64
 
 
 @dataclass(slots=True)
@@ -45,6 +60,8 @@ class RequestState:
     # The most tokens the request may hold, prompt included: the context length, or sooner its
     # max_tokens (vLLM verifies every drafted token, even those past that).
     token_limit: int
+    # Whose sequences may draft for it (handoff.py's lookahead_scope); "" for requests without a salt.
+    scope: str = ""
     drafted: int = 0
 
     def record_verdict(self, num_sampled: int) -> int:
@@ -93,13 +110,25 @@ class LookaheadProposer:
         config = self.config
         if settings.eos_token_ids and config.eos_token_id is None:
             config = config.model_copy(update={"eos_token_id": settings.eos_token_ids})
-        self.drafter = Drafter(config, settings.budget_bytes)
+        self.drafter_config = config
+        # The operator's warm-up sequences: read by every scope, never dropped for another scope's traffic.
+        self.warmup = Drafter(config, settings.budget_bytes)
+        self.max_match = self.warmup.max_match
+        # Totals over every drafter, kept by the engine thread for the gauge thread (which must not walk
+        # `scopes` while the engine thread changes it).
+        self.index_tokens = 0
+        self.index_bytes = 0
         self.requests: dict[str, RequestState] = {}
         self.global_acceptance = GlobalAcceptance()
         self.stats = LookaheadStats()
         self.runner: Any = None
         self._last_log = time.monotonic()
         self._warm_up()
+        # What one scope's traffic may hold: the budget less the warm-up, but at least half of it (a warm-up
+        # past that is cut by its own drafter's rotation, as the budget cut it before scopes existed).
+        self.scope_budget = max(settings.budget_bytes - self.warmup.shared_bytes(), settings.budget_bytes // 2)
+        # Per scope, most recently used last. "" (requests without a salt) is always there.
+        self.scopes: OrderedDict[str, Drafter] = OrderedDict({"": Drafter(config, self.scope_budget)})
         self.sync: IndexSync | None = None
         if settings.cache_service and config.global_cache_switch:
             self.sync = IndexSync(settings.cache_service, settings.namespace, f"worker-{uuid.uuid4().hex[:12]}")
@@ -118,17 +147,18 @@ class LookaheadProposer:
         from tqdm import tqdm
 
         for record in tqdm(records, desc="Lookahead cache warm-up", unit="seq", mininterval=1.0):
-            self._add_shared(record.prompt, record.output)
+            self.warmup.add_shared([*record.prompt, *record.output])
+        self.index_tokens, self.index_bytes = self.warmup.shared_tokens(), self.warmup.shared_bytes()
         logger.info("lookahead cache: warmed up from %d sequences (%d tokens indexed)", len(records),
-                    self.drafter.shared_tokens())
+                    self.warmup.shared_tokens())
 
     def _load_shared_backlog(self, timeout: float = 60.0) -> None:
         assert self.sync is not None
         self.sync.caught_up.wait(timeout)
         loaded = len(self.sync.inbox)
         self._drain_inbox(limit=None)
-        logger.info("lookahead cache: loaded %d sequences from the shared index (%d tokens indexed)", loaded,
-                    self.drafter.shared_tokens())
+        logger.info("lookahead cache: loaded %d sequences from the shared index (%d tokens indexed, %d scopes)",
+                    loaded, self.index_tokens, len(self.scopes))
 
     # --- vLLM's proposer interface ------------------------------------------------------------------
 
@@ -173,12 +203,16 @@ class LookaheadProposer:
         if len(decoding) <= self.max_parallel:
             live = [LiveSequence(state.own, state.num_prompt if self.settings.ignore_prompt else 0)
                     for _, state, _ in decoding] if self.config.global_cache_switch else []
+            warm = ([LiveSequence(self.warmup.current), LiveSequence(self.warmup.previous)]
+                    if self.warmup.shared_tokens() else [])
             # A drafted token costs the same at any batch size, but an accepted one saves only its own
             # request's share of a step: the bar rises with the number of requests decoding.
             min_chance = self.draft_token_cost * len(decoding)
             for position, (row, state, num_tokens) in enumerate(decoding):
-                others = live[:position] + live[position + 1:]
-                drafts[row] = self._draft(state, num_tokens, others, min_chance)
+                # Other running requests draft for this one only within its scope.
+                others = [sequence for i, sequence in enumerate(live)
+                          if i != position and decoding[i][1].scope == state.scope]
+                drafts[row] = self._draft(state, num_tokens, others + warm, min_chance)
         self._forget_lost()
         elapsed = time.perf_counter() - started
         self.stats.steps += 1
@@ -197,7 +231,9 @@ class LookaheadProposer:
             max_tokens = runner_max_tokens(self.runner, req_id)
             token_limit = self.max_model_len if max_tokens is None else min(self.max_model_len,
                                                                             num_prompt + max_tokens)
-            state = RequestState(self.drafter.new_index(), num_prompt, AcceptanceRate(), token_limit)
+            scope = str(runner_request_extra_args(self.runner, req_id).get(LOOKAHEAD_SCOPE_ARG, ""))
+            state = RequestState(own=self.warmup.new_index(), num_prompt=num_prompt, acceptance=AcceptanceRate(),
+                                 token_limit=token_limit, scope=scope)
             self.requests[req_id] = state
         return state
 
@@ -207,9 +243,9 @@ class LookaheadProposer:
         room = min(self.copy_length, state.token_limit - num_tokens - 1)
         if room <= 0:
             return []
-        tail = state.own.tokens[-self.drafter.max_match:]
+        tail = state.own.tokens[-self.max_match:]
         chance = state.acceptance.rate(self.global_acceptance.rate(), PRIOR_WEIGHT)
-        draft = self.drafter.draft(tail, state.own, room, live, chance, min_chance)
+        draft = self._drafter(state.scope).draft(tail, state.own, room, live, chance, min_chance)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("request at %d tokens: drafted %d of up to %d tokens (chance per token %.2f, bar %.2f)",
                          num_tokens, len(draft), room, chance, min_chance)
@@ -232,9 +268,9 @@ class LookaheadProposer:
             output = tokens[state.num_prompt:].tolist()
             self.stats.finished_requests += 1
             if output:
-                self._add_shared(prompt, output)
+                self._add_shared(prompt, output, state.scope)
                 if self.sync is not None:
-                    self.sync.publish(prompt, output)
+                    self.sync.publish(prompt, output, state.scope)
 
     def _forget_lost(self) -> None:
         """A safety net: state for requests the runner no longer holds, should a finish be missed."""
@@ -242,8 +278,39 @@ class LookaheadProposer:
         if len(self.requests) > 2 * max(len(held), 64):
             self.finish([r for r in self.requests if r not in held])
 
-    def _add_shared(self, prompt: Sequence[int], output: Sequence[int]) -> None:
-        self.drafter.add_shared([*prompt, *output])
+    def _drafter(self, scope: str) -> Drafter:
+        """The scope's drafter, made if it has none, and marked as the most recently used."""
+        drafter = self.scopes.get(scope)
+        if drafter is None:
+            drafter = self.scopes[scope] = Drafter(self.drafter_config, self.scope_budget)
+            self._drop_scopes(keep=scope)
+        self.scopes.move_to_end(scope)
+        return drafter
+
+    def _drop_scopes(self, keep: str) -> None:
+        """Drops the least recently used scopes while there are too many or they outgrow the budget
+        together. Never "", `keep`, nor a scope with a running request (its drafter is in use)."""
+        running = {state.scope for state in self.requests.values()}
+        for scope in list(self.scopes):
+            if len(self.scopes) <= MAX_SCOPES and self._shared_bytes() <= self.settings.budget_bytes:
+                return
+            if scope not in ("", keep) and scope not in running:
+                del self.scopes[scope]
+                metrics.dropped_scopes.inc()
+
+    def _shared_tokens(self) -> int:
+        return self.warmup.shared_tokens() + sum(d.shared_tokens() for d in self.scopes.values())
+
+    def _shared_bytes(self) -> int:
+        return self.warmup.shared_bytes() + sum(d.shared_bytes() for d in self.scopes.values())
+
+    def _add_shared(self, prompt: Sequence[int], output: Sequence[int], scope: str) -> None:
+        self._drafter(scope).add_shared([*prompt, *output])
+        self.index_bytes = self._shared_bytes()
+        if scope and self.index_bytes > self.settings.budget_bytes:
+            self._drop_scopes(keep=scope)
+            self.index_bytes = self._shared_bytes()
+        self.index_tokens = self._shared_tokens()
 
     def _drain_inbox(self, limit: int | None) -> None:
         if self.sync is None:
@@ -251,13 +318,14 @@ class LookaheadProposer:
         inbox, budget = self.sync.inbox, limit
         while inbox and (budget is None or budget > 0):
             sequence = inbox.popleft()
-            self._add_shared([] if self.settings.ignore_prompt else sequence.prompt, sequence.output)
+            self._add_shared([] if self.settings.ignore_prompt else sequence.prompt, sequence.output, sequence.scope)
             if budget is not None:
                 budget -= len(sequence.prompt) + len(sequence.output)
 
     def _publish_gauges(self) -> None:
-        metrics.index_tokens.set(self.drafter.shared_tokens())
-        metrics.index_bytes.set(self.drafter.shared_bytes())
+        metrics.index_tokens.set(self.index_tokens)
+        metrics.index_bytes.set(self.index_bytes)
+        metrics.scopes.set(len(self.scopes))
         if self.sync is not None:
             metrics.sync_lag.set(self.sync.lag_seconds)
             metrics.sync_pending.set(self.sync.pending())
@@ -290,5 +358,5 @@ class LookaheadProposer:
         logger.info("lookahead cache: drafted %d tokens, accepted %d (%.1f%%), mean accepted length %.2f, "
                     "index %d tokens / %.1f MiB, %.1f us per step%s", s.drafted_tokens, s.accepted_tokens,
                     100.0 * s.accepted_tokens / s.drafted_tokens if s.drafted_tokens else 0.0, mean,
-                    self.drafter.shared_tokens(), self.drafter.shared_bytes() / 2**20,
+                    self.index_tokens, self.index_bytes / 2**20,
                     1e6 * s.lookup_seconds / max(1, s.steps), sync)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from taco_llm.grpc_security import CacheServiceClient
 from taco_llm.protos import lookahead_pb2, lookahead_pb2_grpc
 from taco_llm.protos.kv_cache_limits import GRPC_MESSAGE_LIMIT, LOOKAHEAD_BATCH_BYTES
 
@@ -31,6 +32,7 @@ MAX_BACKOFF_SECONDS = 10.0
 class Sequence:
     prompt: list[int]
     output: list[int]
+    scope: str = ""
 
 
 class IndexSync:
@@ -49,8 +51,10 @@ class IndexSync:
         self.connected = False
         self._unsent = 0
         self._stopping = threading.Event()
-        self._channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", GRPC_MESSAGE_LIMIT),
-                                                                ("grpc.max_send_message_length", GRPC_MESSAGE_LIMIT)])
+        # TLS and the key as the worker's --cache-service-tls-* and --cache-service-api-key say.
+        self._channel = CacheServiceClient.from_environment().channel(
+            address, options=[("grpc.max_receive_message_length", GRPC_MESSAGE_LIMIT),
+                              ("grpc.max_send_message_length", GRPC_MESSAGE_LIMIT)])
         self._stub = lookahead_pb2_grpc.LookaheadIndexStub(self._channel)
         self._threads = [threading.Thread(target=self._subscribe_forever, name="lookahead-subscribe", daemon=True),
                          threading.Thread(target=self._publish_forever, name="lookahead-publish", daemon=True)]
@@ -71,8 +75,9 @@ class IndexSync:
             if thread.is_alive():
                 thread.join(1.0)
 
-    def publish(self, prompt: list[int], output: list[int]) -> None:
-        record = lookahead_pb2.Record(prompt=prompt, output=output, origin=self.origin, created_unix=time.time())
+    def publish(self, prompt: list[int], output: list[int], scope: str = "") -> None:
+        record = lookahead_pb2.Record(prompt=prompt, output=output, origin=self.origin, created_unix=time.time(),
+                                      scope=scope)
         try:
             self.outbox.put_nowait(record)
         except queue.Full:
@@ -103,7 +108,7 @@ class IndexSync:
                         self.last_id = record.id
                         if record.origin == self.origin:
                             continue
-                        self.inbox.append(Sequence(list(record.prompt), list(record.output)))
+                        self.inbox.append(Sequence(list(record.prompt), list(record.output), record.scope))
                         self.received += 1
                         if record.created_unix:
                             self.lag_seconds = max(0.0, time.time() - record.created_unix)
