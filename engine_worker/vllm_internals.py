@@ -15,7 +15,7 @@ processes, tests and bench import this module; the gateway and the `taco_llm` su
 from __future__ import annotations
 
 import argparse
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 # One comment per import: [area] what the project uses it for, and why nothing public serves.
@@ -91,6 +91,12 @@ from vllm.v1.request import Request
 # [speculation] The rejection sampler's expansion, which sampling_fix.py checks on a float tensor.
 from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
 
+# [admission] The engine core's structured-output compilers, the key it compiles a constraint by and the
+# tokenizer it loads for them: admission compiles each constraint exactly as the engine core will, so that
+# one the engine's compiler rejects is refused before it is queued. The engine core has no public hook.
+from vllm.v1.structured_output.backend_types import StructuredOutputBackend, StructuredOutputOptions
+from vllm.v1.structured_output.request import get_structured_output_key
+
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
 
@@ -102,6 +108,33 @@ if TYPE_CHECKING:
     # extends (the public `worker_cls` setting takes a class, but the class to extend is internal).
     # At run time it comes from __getattr__ below.
     from vllm.v1.worker.gpu_worker import Worker as PlatformWorker
+
+
+# --- admission: the structured-output backend the engine core compiles with ------------------------------
+def resolved_structured_backend(params: Any) -> str:
+    """The backend vLLM's front-door check chose for a request's constraint (where --structured-outputs-config
+    backend is "auto": xgrammar, or guidance / outlines for what xgrammar cannot take); it sets no public field."""
+    return str(params._backend)
+
+
+def structured_output_backend(name: str, vllm_config: Any, vocab_size: int) -> StructuredOutputBackend:
+    """The compiler the engine core builds for backend `name` (as StructuredOutputManager.grammar_init does),
+    on the tokenizer the engine core loads for it."""
+    from vllm.tokenizers import cached_tokenizer_from_config
+
+    tokenizer = cached_tokenizer_from_config(model_config=vllm_config.model_config)
+    backend_class: type[StructuredOutputBackend]
+    if name == "xgrammar":
+        from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend as backend_class
+    elif name == "guidance":
+        from vllm.v1.structured_output.backend_guidance import GuidanceBackend as backend_class
+    elif name == "outlines":
+        from vllm.v1.structured_output.backend_outlines import OutlinesBackend as backend_class
+    elif name == "lm-format-enforcer":
+        from vllm.v1.structured_output.backend_lm_format_enforcer import LMFormatEnforcerBackend as backend_class
+    else:
+        raise ValueError(f"unknown structured output backend {name!r}")
+    return backend_class(vllm_config, tokenizer=tokenizer, vocab_size=vocab_size)
 
 
 # --- the command line ----------------------------------------------------------------------------------
@@ -196,15 +229,43 @@ def runner_request_ids(runner: Any) -> Collection[str]:
     return runner.requests  # type: ignore[no-any-return]
 
 
+def _held_sampling_params(runner: Any, request_id: str) -> Any:
+    """A held request's SamplingParams (None: not held, or a pooling request)."""
+    return getattr(runner.requests.get(request_id), "sampling_params", None)
+
+
 def runner_max_tokens(runner: Any, request_id: str) -> int | None:
     """A held request's max_tokens (None: not held, or no limit)."""
-    state = runner.requests.get(request_id)
-    return getattr(getattr(state, "sampling_params", None), "max_tokens", None)
+    return getattr(_held_sampling_params(runner, request_id), "max_tokens", None)
+
+
+def runner_request_extra_args(runner: Any, request_id: str) -> Mapping[str, Any]:
+    """A held request's SamplingParams.extra_args (empty: not held, or none set)."""
+    return getattr(_held_sampling_params(runner, request_id), "extra_args", None) or {}
 
 
 def finished_request_ids(scheduler_output: Any) -> Collection[str]:
     """The requests that ended since the last step, from what Worker.execute_model receives."""
     return scheduler_output.finished_req_ids  # type: ignore[no-any-return]
+
+
+# vLLM picks its rejection sampler whenever speculation is configured, also for a step without drafts;
+# plain_sampling.py sends those to the plain sampler at the runner's sampling step, its only seam.
+def wrap_runner_sample(runner: Any, choose: Callable[[Any], Any]) -> None:
+    """Before each of the runner's sampling steps, `choose(spec_decode_metadata)` says which metadata
+    the sampler gets (None: the plain sampler). The runner's own variable, which its bookkeeping after
+    sampling reads, is left as it was."""
+    sample = runner._sample
+
+    def sample_with(logits: Any, spec_decode_metadata: Any) -> Any:
+        return sample(logits, choose(spec_decode_metadata))
+
+    runner._sample = sample_with
+
+
+def max_draft_length(spec_decode_metadata: Any) -> int:
+    """The most draft tokens any request has in the step (SpecDecodeMetadata)."""
+    return int(spec_decode_metadata.max_spec_len)
 
 
 # --- the KV connector ------------------------------------------------------------------------------------
@@ -241,6 +302,7 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
                                                       "engine_idx"),
     "vllm.v1.metrics.loggers:StatLoggerBase.__init__": ("vllm_config", "engine_index"),
     "vllm.v1.worker.gpu_worker:Worker.init_device": ("self",),
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample": ("self", "logits", "spec_decode_metadata"),
     "vllm.v1.worker.gpu_worker:Worker.execute_model": ("scheduler_output",),
     "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1.__init__": ("vllm_config", "role",
                                                                                       "kv_cache_config"),
@@ -255,13 +317,14 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
                                              "kv_cache_usage"),
     "vllm.tool_parsers:ToolParserManager": ("tool_parsers", "lazy_parsers"),
     "vllm.v1.engine.async_llm:AsyncLLM": ("renderer", "model_config", "vllm_config", "get_tokenizer", "add_lora",
-                                          "generate", "abort", "do_log_stats", "shutdown"),
+                                          "generate", "abort", "do_log_stats", "shutdown", "check_health"),
     "vllm.renderers.base:BaseRenderer": ("default_chat_tok_params", "default_cmpl_tok_params"),
     "vllm.config:ModelConfig": ("get_diff_sampling_param", "get_vocab_size", "max_model_len", "max_logprobs"),
     "vllm.entrypoints.openai.chat_completion.protocol:ChatCompletionRequest": (
         "tool_choice", "tools", "structured_outputs", "skip_special_tokens"),
     "vllm.entrypoints.openai.models.protocol:LoRAModulePath": ("name", "path", "base_model_name"),
-    "vllm.v1.worker.gpu_model_runner:GPUModelRunner": ("drafter", "input_batch", "requests"),
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner": ("drafter", "input_batch", "requests", "_sample"),
+    "vllm.v1.spec_decode.metadata:SpecDecodeMetadata": ("max_spec_len", "num_draft_tokens"),
     "vllm.v1.worker.gpu_input_batch:InputBatch": ("req_ids", "num_prompt_tokens", "num_tokens_no_spec",
                                                   "token_ids_cpu"),
     "vllm.v1.worker.gpu_input_batch:CachedRequestState": ("sampling_params",),
@@ -328,6 +391,8 @@ __all__ = [
     "Request",
     "SchedulerOutput",
     "SchedulerStats",
+    "StructuredOutputBackend",
+    "StructuredOutputOptions",
     "TokenizerLike",
     "batch_prompt_length",
     "batch_request_ids",
@@ -336,18 +401,24 @@ __all__ = [
     "finished_request_ids",
     "forced_tool_choice_needs_parser",
     "get_prometheus_registry",
+    "get_structured_output_key",
     "get_tensor_model_parallel_rank",
     "get_tokenizer",
     "is_context_overflow",
     "load_chat_template",
     "make_tool_call_id",
+    "max_draft_length",
     "maybe_filter_parallel_tool_calls",
     "merge_kwargs",
     "option_strings",
     "parse_model_prompt",
     "register_kernels",
+    "resolved_structured_backend",
     "runner_drafter",
     "runner_max_tokens",
+    "runner_request_extra_args",
     "runner_request_ids",
+    "structured_output_backend",
     "tool_parser_names",
+    "wrap_runner_sample",
 ]

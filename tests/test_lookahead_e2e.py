@@ -21,6 +21,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from taco_llm.protos import lookahead_pb2, lookahead_pb2_grpc
 
@@ -149,14 +150,17 @@ class Deployment:
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
 
-    def metrics(self) -> dict[str, float]:
+    def samples(self) -> list[Sample]:
+        """Every sample of the worker's /metrics page."""
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as reply:
             text = reply.read().decode()
+        return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+    def metrics(self) -> dict[str, float]:
         values: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name.startswith(("taco_llm_lookahead", "vllm:spec_decode")):
-                    values[sample.name] = values.get(sample.name, 0.0) + sample.value
+        for sample in self.samples():
+            if sample.name.startswith(("taco_llm_lookahead", "vllm:spec_decode")):
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
         return values
 
     def accepted(self) -> float:
@@ -316,12 +320,67 @@ def test_warmup_file_feeds_the_first_request(shared: Deployment,
     assert accepted >= MAX_TOKENS // 2, f"only {accepted} tokens accepted from the warm-up record"
 
 
+def sampler_steps(deployment: Deployment) -> dict[str, float]:
+    """The worker's engine steps by the sampler that ran (engine_worker/core/plain_sampling.py)."""
+    steps = {"plain": 0.0, "rejection": 0.0}
+    for sample in deployment.samples():
+        if sample.name == "taco_llm_spec_decode_sampler_steps_total":
+            steps[sample.labels["sampler"]] += sample.value
+    return steps
+
+
+def test_steps_without_drafts_take_the_plain_sampler(shared: Deployment,
+                                                     warmup_answer: tuple[str, list[int], list[int]]) -> None:
+    """Speculation is configured, but a one-token request runs only its prefill step, in which no request
+    has a draft: vLLM would verify it with its rejection sampler, the worker samples it plainly. A request
+    that drafts still goes through the rejection sampler."""
+    client = shared.client()
+    before = sampler_steps(shared)
+    for number in range(4):
+        client.completions.create(model=MODEL, prompt=f"Name colour number {number}:", max_tokens=1, temperature=0)
+    idle = sampler_steps(shared)
+    assert idle["plain"] - before["plain"] >= 4, (before, idle)
+    assert idle["rejection"] == before["rejection"], (before, idle)
+    accepted, _ = shared.accepted_during(chat(warmup_answer[0]))
+    drafting = sampler_steps(shared)
+    assert accepted > 0 and drafting["rejection"] > idle["rejection"], (idle, drafting)
+
+
 def test_one_requests_output_drafts_anothers(shared: Deployment) -> None:
     question = chat("Write a short story about a robot who learns to paint.")
     cold, answer = shared.accepted_during(question)
     warm, again = shared.accepted_during(question)
     assert again == answer
     assert warm > cold + MAX_TOKENS // 4, f"a repeated request accepted {warm} drafted tokens, the first {cold}"
+
+
+def test_one_tenants_output_never_drafts_for_another(shared: Deployment, log_dir: Path) -> None:
+    """A gateway with named tenants (tenant isolation is on by default) in front of the same worker: each
+    tenant drafts only from its own scope of the index, so alice's repeat drafts from her first answer and
+    bob's same question, asked between the two, gains nothing from it."""
+    port = free_port()
+    gateway = start("lookahead-tenants-gateway",
+                    ["gateway", "--engine", f"127.0.0.1:{shared.worker_port}", "--port", str(port),
+                     "--api-key", "alice=alice-key", "--api-key", "bob=bob-key"], log_dir)
+    question = chat("Write a short story about a dragon who learns to bake bread.")
+
+    def ask(key: str) -> tuple[float, str]:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=300)
+        before = shared.accepted()
+        reply = client.chat.completions.create(model=MODEL, messages=question,  # type: ignore[arg-type]
+                                               temperature=0, max_tokens=MAX_TOKENS)
+        return shared.accepted() - before, reply.choices[0].message.content or ""
+
+    try:
+        wait_until(gateway, lambda: http_status(f"http://127.0.0.1:{port}/health") == 200)
+        alice_cold, answer = ask("alice-key")
+        bob, bob_answer = ask("bob-key")
+        alice_warm, again = ask("alice-key")
+    finally:
+        gateway.stop()
+    assert again == answer == bob_answer
+    assert bob < alice_cold + MAX_TOKENS // 8, f"bob accepted {bob} drafted tokens after alice's answer"
+    assert alice_warm > alice_cold + MAX_TOKENS // 4, f"alice's repeat accepted {alice_warm}, her first {alice_cold}"
 
 
 def test_per_request_mode_has_no_cross_request_drafts(per_request: Deployment) -> None:
