@@ -18,7 +18,7 @@ install:
 	$(BIN)/python -c "import vllm, transformers, grpc; print('taco-llm installed: vllm', vllm.__version__)"
 
 test:
-	$(BIN)/python -m pytest -ra
+	$(BIN)/python -m pytest -ra --durations=25
 
 lint:
 	$(BIN)/ruff check .
