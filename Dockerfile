@@ -2,7 +2,8 @@
 FROM python:3.11-slim
 ARG TARGET=cpu
 WORKDIR /app
-RUN apt-get update && apt-get install -y --no-install-recommends make gcc g++ && rm -rf /var/lib/apt/lists/*
+# redis-server: `serve --num-workers K` with the Lookahead Cache starts one for the workers' shared index.
+RUN apt-get update && apt-get install -y --no-install-recommends make gcc g++ redis-server && rm -rf /var/lib/apt/lists/*
 COPY . /app
 RUN make install TARGET=${TARGET} VENV=/opt/taco && \
     /opt/taco/bin/python -c "from taco_llm.engine_worker.frontend.default_model import ensure_default_model; ensure_default_model()"

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .serve_args import ServeArgs
+    from .serve_args import LookaheadRedis, ServeArgs
     from .supervisor import ChildSpec
 
 USAGE = """usage: taco_llm <command> [options]
@@ -46,6 +47,10 @@ def serve(argv: Sequence[str]) -> int:
             print(f"taco_llm serve: error: {problem}", file=sys.stderr)
         return 2
     check_gateway_args(gateway_argv(args))  # refuses a bad gateway flag now, before any engine starts
+    redis_problem = check_lookahead_redis(args.lookahead_redis, args.num_workers)
+    if redis_problem:
+        print(f"taco_llm serve: error: {redis_problem}", file=sys.stderr)
+        return 2
     specs = child_specs(args, environments)
     scheme = "https" if args.ssl_certfile else "http"
     base_url = f"{scheme}://{probe_host(args.host)}:{args.port}"
@@ -68,6 +73,10 @@ def child_specs(args: ServeArgs, environments: list[dict[str, str]]) -> list[Chi
 
         cache_argv = ["--grpc-host", "127.0.0.1", "--grpc-port", str(args.cache_service_port),
                       *args.cache_service_argv]
+        if args.lookahead_redis is not None:
+            redis_spec, redis_url = lookahead_redis_spec(args.lookahead_redis)
+            specs.append(redis_spec)
+            cache_argv += ["--redis-url", redis_url]
         check_cache_service_args(cache_argv)  # a bad value is refused now, naming its flag
         # First, and stopped last: the workers reconnect to it with backoff meanwhile.
         specs.append(ChildSpec("cache service", "cache", [python, "-m", "taco_llm.cache_service", *cache_argv]))
@@ -88,6 +97,50 @@ def child_specs(args: ServeArgs, environments: list[dict[str, str]]) -> list[Chi
                                health_address=f"{probe_host(args.grpc_host)}:{args.grpc_port + i}"))
     specs.append(ChildSpec("gateway", "gateway", [python, "-m", "taco_llm.gateway", *gateway_argv(args)]))
     return specs
+
+
+def check_lookahead_redis(redis: LookaheadRedis | None, num_workers: int) -> str | None:
+    """Why the Redis serve would start for the shared lookahead index cannot start, or None."""
+    import shutil
+
+    if redis is None:
+        return None
+    if shutil.which("redis-server") is None:
+        return (f"--num-workers {num_workers} with --lookahead-cache-config-dir: the workers share one lookahead "
+                "index through a Redis serve starts, and redis-server is not on PATH; install Redis, or give "
+                "--redis-url")
+    if redis.data_dir is not None:
+        try:
+            os.makedirs(redis.data_dir, exist_ok=True)
+        except OSError as error:
+            return f"--lookahead-redis-dir {redis.data_dir}: cannot be made ({error.strerror})"
+        if not os.access(redis.data_dir, os.W_OK | os.X_OK):
+            return f"--lookahead-redis-dir {redis.data_dir}: not writable"
+    return None
+
+
+def lookahead_redis_spec(redis: LookaheadRedis) -> tuple[ChildSpec, str]:
+    """The redis-server serve starts for the shared lookahead index, and the URL the cache service reaches it
+    by. It listens on a Unix socket in a directory of its own, not on a TCP port: only the cache service
+    beside it is to reach it, and no port can clash."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from .supervisor import ChildSpec
+
+    runtime = tempfile.mkdtemp(prefix="taco_llm_lookahead_redis_")
+    atexit.register(shutil.rmtree, runtime, ignore_errors=True)
+    socket = os.path.join(runtime, "redis.sock")
+    argv = [shutil.which("redis-server") or "redis-server", "--port", "0", "--unixsocket", socket,
+            "--unixsocketperm", "700", "--save", "", "--daemonize", "no", "--loglevel", "warning"]
+    if redis.data_dir is not None:
+        argv += ["--dir", os.path.abspath(redis.data_dir), "--appendonly", "yes"]
+    else:
+        argv += ["--dir", runtime, "--appendonly", "no"]
+    # Started first and stopped last, like the cache service: it is restarted if it dies (empty, unless
+    # --lookahead-redis-dir keeps its file), and the workers go on drafting from their own indexes meanwhile.
+    return ChildSpec("lookahead Redis", "cache", argv), f"unix://{socket}"
 
 
 def gateway_argv(args: ServeArgs) -> list[str]:

@@ -66,6 +66,18 @@ class ServeArgs:
     devices_per_worker: int = 1
     # vLLM's --shutdown-timeout: how long a worker drains on SIGTERM, so how long serve waits for it.
     shutdown_timeout: float = 0.0
+    # The Redis serve starts for the workers' shared lookahead index; None when it starts none.
+    lookahead_redis: LookaheadRedis | None = None
+
+
+@dataclass(frozen=True)
+class LookaheadRedis:
+    """Several workers with the Lookahead Cache and no --redis-url: serve starts a Redis of its own behind the
+    cache service, so that an output finished on one worker drafts on every other one."""
+
+    # --lookahead-redis-dir: where it keeps its append-only file, so the index outlives a restart of serve.
+    # None: nothing is kept, and the index lasts as long as serve does.
+    data_dir: str | None
 
 
 def _dest(flag: Flag) -> str:
@@ -112,6 +124,11 @@ def _parser_and_flags() -> tuple[argparse.ArgumentParser, frozenset[str]]:
         serve.add_argument("--redis-url", default=None, metavar="URL",
                            help="Redis for the Lookahead Cache's shared index (e.g. redis://127.0.0.1:6379/0): "
                            "serve starts a cache service with it, so that the index outlives restarts"),
+        serve.add_argument("--lookahead-redis-dir", default=None, metavar="DIR",
+                           help="with --num-workers above 1, --lookahead-cache-config-dir and no --redis-url, serve "
+                           "starts a Redis of its own (redis-server) for the workers' shared lookahead index: it "
+                           "keeps its append-only file in DIR, so the index outlives a restart of serve (default: "
+                           "nothing kept)"),
         serve.add_argument("--cache-service-port", type=int, default=None,
                            help=f"the port of the cache service serve starts (default {DEFAULT_CACHE_SERVICE_PORT}, "
                            "or the first port after the workers' when they would take it)"),
@@ -300,8 +317,7 @@ def parse(argv: Sequence[str]) -> ServeArgs:
         value = getattr(namespace, name[2:].replace("-", "_"), None)
         if value is not None:
             worker_argv += [name, str(value)]
-    cache_service_argv = _cache_service(given, namespace.cache_service, namespace.redis_url, cache_argv,
-                                        worker_argv, errors)
+    cache_service_argv, lookahead_redis = _cache_service(given, namespace, cache_argv, worker_argv, errors)
     # One key guards both hops: HTTP clients to the gateway, and the gateway to the worker.
     # With tenants (several keys, or --api-keys-file) the hops get a key of their own (serve_keys).
     try:
@@ -348,7 +364,8 @@ def parse(argv: Sequence[str]) -> ServeArgs:
                      given.get("--ssl-keyfile"), cache_service_argv, cache_service_port,
                      single_process=bool(given.get("--disable-frontend-multiprocessing")),
                      num_workers=namespace.num_workers, metrics_port=namespace.metrics_port,
-                     devices_per_worker=per_worker, shutdown_timeout=float(namespace.shutdown_timeout or 0))
+                     devices_per_worker=per_worker, shutdown_timeout=float(namespace.shutdown_timeout or 0),
+                     lookahead_redis=lookahead_redis)
 
 
 def _fleet_argv(namespace: argparse.Namespace, given: dict[str, Any], worker_argv: list[str]) -> list[str]:
@@ -410,10 +427,13 @@ def _ports(namespace: argparse.Namespace, port: int, *, needs_cache_service: boo
     return cache_port
 
 
-def _cache_service(given: dict[str, Any], address: str | None, redis_url: str | None, cache_argv: list[str],
-                   worker_argv: list[str], errors: list[str]) -> list[str] | None:
-    """The flags of the cache service serve starts, or None when it starts none. It starts one for the
-    prefix-KV offload, and for the Lookahead Cache when its index is to be shared through Redis."""
+def _cache_service(given: dict[str, Any], namespace: argparse.Namespace, cache_argv: list[str],
+                   worker_argv: list[str], errors: list[str]) -> tuple[list[str] | None, LookaheadRedis | None]:
+    """The flags of the cache service serve starts (None when it starts none), and the Redis it starts for
+    the lookahead index (None when none). A cache service is started for the prefix-KV offload, and for the
+    Lookahead Cache when its index is shared: through --redis-url, or, with several workers and no
+    --redis-url, through a Redis serve starts (cli.py gives the cache service its address)."""
+    address, redis_url, redis_dir = namespace.cache_service, namespace.redis_url, namespace.lookahead_redis_dir
     offload = bool(given.get("--enable-prefix-cache-offload"))
     lookahead = "--lookahead-cache-config-dir" in given
     names = [n for n in given if BY_NAME[n].kind == "cache"]
@@ -421,16 +441,23 @@ def _cache_service(given: dict[str, Any], address: str | None, redis_url: str | 
         errors.append(f"{', '.join(names)}: needs --enable-prefix-cache-offload")
     if redis_url is not None and not lookahead:
         errors.append("--redis-url: holds the Lookahead Cache's shared index; it needs --lookahead-cache-config-dir")
+    own_redis = lookahead and redis_url is None and address is None and namespace.num_workers > 1
+    if redis_dir is not None and not own_redis:
+        errors.append("--lookahead-redis-dir: is for the Redis serve starts for the shared lookahead index, with "
+                      "--num-workers above 1, --lookahead-cache-config-dir and neither --redis-url nor "
+                      "--cache-service")
     if address is not None:
         worker_argv += ["--cache-service", address]
         if names or redis_url is not None:
             flags = ", ".join([*names, *(["--redis-url"] if redis_url is not None else [])])
             errors.append(f"{flags}: set on the cache service at {address} itself (serve starts "
                           "none when --cache-service is given)")
-        return None
+        return None, None
     if redis_url is not None:
         cache_argv = [*cache_argv, "--redis-url", redis_url]
-    return cache_argv if offload or (lookahead and redis_url is not None) else None
+    lookahead_redis = LookaheadRedis(redis_dir) if own_redis else None
+    started = offload or (lookahead and redis_url is not None) or own_redis
+    return (cache_argv if started else None), lookahead_redis
 
 
 def gpu_devices() -> list[str] | None:

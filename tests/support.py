@@ -252,3 +252,45 @@ def child_pid(root_pid: int, module: str) -> int:
         if "-m" in argv[:-1] and argv[argv.index("-m") + 1] == module:
             return int(process.pid)
     raise AssertionError(f"no process runs {module} under {root_pid}")
+
+
+def child_command(root_pid: int, *words: str) -> tuple[int, list[str]]:
+    """The pid and command line of the process directly under root_pid whose command line holds every one
+    of words."""
+    import psutil
+
+    for process in psutil.Process(root_pid).children():
+        try:
+            argv = process.cmdline()
+        except psutil.NoSuchProcess:
+            continue
+        if all(word in argv for word in words):
+            return process.pid, list(argv)
+    raise AssertionError(f"no process under {root_pid} runs with {words}")
+
+
+def grpc_serving(address: str) -> bool:
+    """Whether the gRPC health service at address answers SERVING."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+    except grpc.RpcError:
+        return False
+
+
+def consecutive_free_ports(count: int) -> int:
+    """The first of `count` consecutive free ports: serve gives worker i the port --grpc-port + i."""
+    for _ in range(100):
+        first = free_port()
+        try:
+            for offset in range(1, count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", first + offset))
+        except OSError:
+            continue
+        return first
+    raise RuntimeError(f"no {count} consecutive free ports")

@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,14 +26,23 @@ import openai
 import psutil
 import pytest
 import redis
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from taco_llm.protos import engine_pb2, engine_pb2_grpc
 from taco_llm.protos.registry_keys import REGISTRY_KEY_PREFIX
 
 from .otlp_receiver import OtlpReceiver
-from .support import ROOT, Process, RedisServer, free_port, http_status, start, wait_until
+from .support import (
+    ROOT,
+    Process,
+    RedisServer,
+    consecutive_free_ports,
+    free_port,
+    grpc_serving,
+    http_status,
+    start,
+    wait_until,
+)
 
 NUM_WORKERS = 2
 # float32 for token-exact greedy output whatever the batch; 96 MiB of KV cache a worker (about 2,100
@@ -107,33 +115,10 @@ class Fleet:
         address = self.worker_address(index)
         deadline = time.monotonic() + SURVIVE
         while time.monotonic() < deadline:
-            if _serving(address) and self.gateway_value("taco_llm_worker_ready", worker=address) == 1:
+            if grpc_serving(address) and self.gateway_value("taco_llm_worker_ready", worker=address) == 1:
                 return
             time.sleep(1)
         raise AssertionError(f"worker {address} did not rejoin within {SURVIVE:.0f}s:\n{self.process.tail()}")
-
-
-def _serving(address: str) -> bool:
-    try:
-        with grpc.insecure_channel(address) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
-
-
-def _consecutive_free_ports(count: int) -> int:
-    """The first of `count` consecutive free ports: serve gives worker i the port --grpc-port + i."""
-    for _ in range(100):
-        first = free_port()
-        try:
-            for offset in range(1, count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", first + offset))
-        except OSError:
-            continue
-        return first
-    raise RuntimeError(f"no {count} consecutive free ports")
 
 
 @pytest.fixture(scope="module")
@@ -142,8 +127,8 @@ def fleet(model_dir: Path, log_dir: Path, tmp_path_factory: pytest.TempPathFacto
     redis_server.start()
     receiver = OtlpReceiver(free_port())
     receiver.start()
-    port, grpc_port, metrics_port = free_port(), _consecutive_free_ports(NUM_WORKERS), \
-        _consecutive_free_ports(NUM_WORKERS)
+    port, grpc_port, metrics_port = free_port(), consecutive_free_ports(NUM_WORKERS), \
+        consecutive_free_ports(NUM_WORKERS)
     process = start("fleet", [
         "serve", "--port", str(port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
         "--num-workers", str(NUM_WORKERS), "--registry-url", redis_server.url,
@@ -414,7 +399,7 @@ def test_kill_a_worker_mid_stream_loses_nothing(fleet: Fleet, fleet_client: open
 
 def test_serve_refuses_a_fleet_that_cannot_start(log_dir: Path) -> None:
     """A worker that cannot start at all stops serve, non-zero, naming the cause, with nothing left running."""
-    port, grpc_port = free_port(), _consecutive_free_ports(NUM_WORKERS)
+    port, grpc_port = free_port(), consecutive_free_ports(NUM_WORKERS)
     run = subprocess.run(
         [sys.executable, "-m", "taco_llm.cli", "serve", "/no/such/model", "--port", str(port), "--grpc-port",
          str(grpc_port), "--num-workers", str(NUM_WORKERS), "--ready-timeout", "300"],
@@ -422,4 +407,4 @@ def test_serve_refuses_a_fleet_that_cannot_start(log_dir: Path) -> None:
     assert run.returncode != 0
     assert "worker" in run.stdout + run.stderr
     for index in range(NUM_WORKERS):
-        assert not _serving(f"127.0.0.1:{grpc_port + index}")
+        assert not grpc_serving(f"127.0.0.1:{grpc_port + index}")

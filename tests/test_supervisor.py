@@ -299,3 +299,29 @@ def test_workers_on_a_wildcard_host_are_found_through_the_registry_alone() -> No
     assert gateway_argv(local)[:4] == ["--engine", "127.0.0.1:6000", "--engine", "127.0.0.1:6001"]
     wildcard = parse(["--num-workers", "2", "--grpc-host", "0.0.0.0", "--registry-url", "redis://r:6379/1"])
     assert "--engine" not in gateway_argv(wildcard) and "--registry-url" in gateway_argv(wildcard)
+
+
+def test_several_lookahead_workers_share_an_index_through_a_redis_serve_starts(tmp_path: Path) -> None:
+    lookahead = ["--lookahead-cache-config-dir", str(tmp_path)]
+    args = parse(["--num-workers", "2", *lookahead, "--lookahead-redis-dir", str(tmp_path / "redis")])
+    specs = child_specs(args, [{}] * args.num_workers)
+    assert [(spec.name, spec.role) for spec in specs][:2] == [("lookahead Redis", "cache"), ("cache service", "cache")]
+    redis_argv, cache_argv = specs[0].argv, specs[1].argv
+    socket = redis_argv[redis_argv.index("--unixsocket") + 1]
+    assert redis_argv[redis_argv.index("--port") + 1] == "0"  # no TCP port to clash with
+    assert redis_argv[redis_argv.index("--dir") + 1] == str(tmp_path / "redis")
+    assert redis_argv[redis_argv.index("--appendonly") + 1] == "yes"
+    assert cache_argv[cache_argv.index("--redis-url") + 1] == f"unix://{socket}"
+    for worker in specs[2:4]:
+        assert worker.argv[worker.argv.index("--cache-service") + 1] == f"127.0.0.1:{args.cache_service_port}"
+    # Without --lookahead-redis-dir nothing is kept.
+    fleeting = child_specs(parse(["--num-workers", "2", *lookahead]), [{}, {}])[0].argv
+    assert fleeting[fleeting.index("--appendonly") + 1] == "no"
+    # One worker, a Redis of the user's, or a cache service of the user's: serve starts no Redis.
+    for argv in ([*lookahead], ["--num-workers", "2", *lookahead, "--redis-url", "redis://r:6379/0"],
+                 ["--num-workers", "2", *lookahead, "--cache-service", "10.0.0.5:50052"]):
+        started = parse(argv)
+        assert started.lookahead_redis is None
+        assert "lookahead Redis" not in [spec.name for spec in child_specs(started, [{}] * started.num_workers)]
+    with pytest.raises(ServeArgsError, match=r"^--lookahead-redis-dir: is for the Redis serve starts"):
+        parse(["--num-workers", "2", "--lookahead-redis-dir", str(tmp_path)])
