@@ -119,3 +119,21 @@ def test_the_soak_bench_writes_its_report(synthetic_engine: str, tmp_path: Path)
     assert sum(w["requests"] for w in report["windows"]) == 24
     assert {"ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms"} <= set(report["windows"][0])
     assert report["samples"] and "taco_llm.cli" in report["end"]["processes"]
+
+
+def test_the_lookahead_sync_bench_writes_its_report(tmp_path: Path) -> None:
+    """bench/lookahead_sync.py with two simulated workers against a real cache service and redis-server: every
+    sequence reaches the other worker, and the report has its latencies and byte counts."""
+    out = tmp_path / "sync.json"
+    run = subprocess.run(
+        [sys.executable, str(BENCH / "lookahead_sync.py"), "--workers", "2", "--rate", "5", "--seconds", "2",
+         "--prompt-tokens", "16", "--output-tokens", "8", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=180,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["workers"] == 2 and row["sequences"] > 0
+    assert row["lost"] == 0 and row["deliveries"] == row["sequences"]
+    assert set(row["latency_ms"]) == {"p50", "p90", "p99", "max"}
+    assert row["bytes_per_output_token"]["redis_held"] > 0
+    assert row["bytes_per_output_token"]["grpc_published"] > 0
