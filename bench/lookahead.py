@@ -121,7 +121,7 @@ def _metrics(port: int) -> dict[str, float]:
     return values
 
 
-async def _run(base_url: str, chats: list[list[dict[str, str]]], concurrency: int,
+async def run_chats(base_url: str, chats: list[list[dict[str, str]]], concurrency: int,
                max_tokens: int) -> tuple[float, list[str]]:
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=900)
     gate = asyncio.Semaphore(concurrency)
@@ -148,7 +148,7 @@ LOOKAHEAD_CONFIGS = {
 }
 
 
-def _method_flags(method: str, config_root: Path) -> list[str]:
+def method_flags(method: str, config_root: Path) -> list[str]:
     if method in LOOKAHEAD_CONFIGS:
         folder = config_root / method
         folder.mkdir(exist_ok=True)
@@ -178,7 +178,7 @@ def start_server(method: str, args: argparse.Namespace, config_dir: Path) -> Ser
                                "--max-model-len", "4096", "--max-num-seqs", "16", "--seed", "0",
                                "--kv-cache-memory-bytes", "1G", "--grpc-port", str(grpc_port),
                                "--metrics-port", str(metrics_port),
-                               *_method_flags(method, config_dir)], **common)  # type: ignore[call-overload]
+                               *method_flags(method, config_dir)], **common)  # type: ignore[call-overload]
     gateway = subprocess.Popen([sys.executable, "-m", "taco_llm.cli", "gateway", "--engine",
                                 f"127.0.0.1:{grpc_port}", "--port", str(http_port)], **common)  # type: ignore[call-overload]
     return Server(method, worker, gateway, f"http://127.0.0.1:{http_port}", metrics_port)
@@ -186,7 +186,7 @@ def start_server(method: str, args: argparse.Namespace, config_dir: Path) -> Ser
 
 def measure(server: Server, chats: list[list[dict[str, str]]], concurrency: int, max_tokens: int) -> dict[str, Any]:
     before = _metrics(server.metrics_port)
-    tok_s, texts = asyncio.run(_run(server.base_url, chats, concurrency, max_tokens))
+    tok_s, texts = asyncio.run(run_chats(server.base_url, chats, concurrency, max_tokens))
     after = _metrics(server.metrics_port)
 
     def delta(key: str) -> float:
@@ -268,7 +268,7 @@ def main() -> int:
                 wait_healthy(f"{server.base_url}/health", [server.worker, server.gateway])
             for server in servers:
                 only_this_one(server, servers)
-                asyncio.run(_run(server.base_url, [[{"role": "user", "content": "Hello!"}]], 1, 8))  # warm-up
+                asyncio.run(run_chats(server.base_url, [[{"role": "user", "content": "Hello!"}]], 1, 8))  # warm-up
             results["methods"] = bench(servers, loads, args.max_tokens, levels)
         finally:
             for server in servers:

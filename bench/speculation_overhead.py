@@ -74,7 +74,7 @@ def main() -> int:
                 wait_healthy(f"{server.base_url}/health", [server.worker, server.gateway])
             for server in servers:
                 bench.only_this_one(server, servers)
-                asyncio.run(bench._run(server.base_url, [[{"role": "user", "content": "Hello!"}]], 1, 8))
+                asyncio.run(bench.run_chats(server.base_url, [[{"role": "user", "content": "Hello!"}]], 1, 8))
             turn = 0
             for round_number in range(args.rounds):
                 for position, concurrency in enumerate(LEVELS):
