@@ -450,9 +450,9 @@ class Fleet:
         for _, port in found:
             wait_grpc_healthy(f"127.0.0.1:{port}", [self.process], timeout=900)
         self.workers = [WorkerProcess(pid, port, metrics_port(port)) for pid, port in found]
-        self._wait_gateway_sees_workers()
+        self.wait_gateway_sees_workers()
 
-    def _wait_gateway_sees_workers(self) -> None:
+    def wait_gateway_sees_workers(self) -> None:
         """Until the gateway counts every worker ready, where it says (taco_llm_worker_ready)."""
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

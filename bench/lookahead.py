@@ -43,7 +43,7 @@ from typing import Any
 
 import openai
 from prometheus_client.parser import text_string_to_metric_families
-from servers import free_port, pause, resume, stop, wait_healthy
+from servers import free_port, pause, resume, stop, wait_healthy, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "SmolLM2-135M-Instruct"
@@ -122,7 +122,7 @@ def _metrics(port: int) -> dict[str, float]:
 
 
 async def run_chats(base_url: str, chats: list[list[dict[str, str]]], concurrency: int,
-               max_tokens: int) -> tuple[float, list[str]]:
+                    max_tokens: int) -> tuple[float, list[str]]:
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=900)
     gate = asyncio.Semaphore(concurrency)
     tokens = 0
@@ -294,9 +294,7 @@ def main() -> int:
     results["requests_unlike_none"] = {
         method: sum(entry[method]["requests_unlike_none"] for entry in summary.values()) for method in methods}
     results["requests_per_method"] = sum(len(rows["texts"]) for rows in methods.get("none", {}).values())
-    args.out.write_text(json.dumps(results, indent=2))
-    print(json.dumps(summary, indent=2))
-    print(f"wrote {args.out}")
+    write_report(args.out, results, summary)
     return 0
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
-import json
 import os
 import signal
 import sys
@@ -37,7 +36,7 @@ from typing import Any
 
 import fleet as fleet_bench
 import lookahead as lookahead_bench
-from servers import ROOT, free_port, wait_grpc_healthy
+from servers import ROOT, free_port, save_report, wait_grpc_healthy, write_report
 
 PEERS = ("ngram", "suffix")
 OURS = "lookahead"
@@ -73,7 +72,7 @@ def rolling_restart(fleet: fleet_bench.Fleet) -> float:
         wait_grpc_healthy(f"127.0.0.1:{worker.grpc_port}", [fleet.process], timeout=900)
         fleet.workers[position] = fleet_bench.WorkerProcess(found[worker.grpc_port], worker.grpc_port,
                                                             worker.metrics_port)
-        fleet._wait_gateway_sees_workers()
+        fleet.wait_gateway_sees_workers()
     return time.monotonic() - started
 
 
@@ -168,13 +167,12 @@ def main() -> int:
         print("suffix skipped: arctic-inference is not installed", flush=True)
     with tempfile.TemporaryDirectory() as config_dir:
         for routing in args.routing.split(","):
-            report["results"][routing] = {method: run_fleet(method, routing, loads, args, Path(config_dir))
-                                          for method in methods}
+            report["results"][routing] = {}
+            for method in methods:
+                report["results"][routing][method] = run_fleet(method, routing, loads, args, Path(config_dir))
+                save_report(args.out, report)  # a run stopped partway keeps the fleets it measured
     report["summary"] = summarize(report["results"])
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(json.dumps(report["summary"], indent=2))
-    print(f"wrote {args.out}")
+    write_report(args.out, report, report["summary"])
     return 0
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
-from servers import free_port, stop, wait_healthy
+from servers import free_port, stop, wait_healthy, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -129,10 +129,7 @@ def main() -> int:
         }
         for level in ours
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(json.dumps(report["ratios"], indent=2))
-    print(f"wrote {args.out}")
+    write_report(args.out, report, report["ratios"])
     return 0
 
 

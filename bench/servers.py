@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -9,8 +10,23 @@ import subprocess
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def save_report(path: Path, report: dict[str, Any]) -> None:
+    """The bench's JSON, its folder made if need be: also called between rows, so a run stopped partway
+    keeps what it measured."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+
+
+def write_report(path: Path, report: dict[str, Any], summary: object) -> None:
+    """The bench's last word: the JSON saved, its summary printed, and where it went."""
+    save_report(path, report)
+    print(json.dumps(summary, indent=2))
+    print(f"wrote {path}")
 
 
 def free_port() -> int:

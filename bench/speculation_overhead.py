@@ -22,14 +22,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
-import json
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import lookahead as bench
-from servers import stop, wait_healthy
+from servers import stop, wait_healthy, write_report
 
 LEVELS = (1, 16)
 IDLE_CONFIG = {"match_length": 32, "turbo_match_length": 32, "min_match_length": 32, "global_cache_switch": False}
@@ -105,9 +104,7 @@ def main() -> int:
             }
     results = {"dtype": args.dtype, "max_tokens": args.max_tokens, "rounds": args.rounds, "skipped": skipped,
                "summary": summary, "runs": runs}
-    args.out.write_text(json.dumps(results, indent=2))
-    print(json.dumps(summary, indent=2))
-    print(f"wrote {args.out}")
+    write_report(args.out, results, summary)
     return 0
 
 
