@@ -195,9 +195,11 @@ def _decodes(message_class: type[Message], data: bytes) -> bool:
 @dataclass
 class Outcomes:
     """What the fuzz saw: answers by call label and code, and the calls that got an imprecise status
-    (`failures`, or `known` where KNOWN_ISSUES names their label)."""
+    (`failures`, or `known` where KNOWN_ISSUES names their label). A call labelled in `must_succeed`
+    fails on any refusal, so its reason is shown with it."""
 
     allowed: frozenset[grpc.StatusCode]
+    must_succeed: frozenset[str] = frozenset()
     codes: dict[str, dict[str, int]] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
     known: dict[str, int] = field(default_factory=dict)
@@ -209,7 +211,9 @@ class Outcomes:
         except grpc.RpcError as error:
             reply = None
             code = error.code()  # type: ignore[attr-defined]
-            if code not in self.allowed:
+            if label in self.must_succeed:
+                self.failures.append(f"{label}: {request!r} -> {code.name}: {error.details()}")  # type: ignore[attr-defined]
+            elif code not in self.allowed:
                 kind = next((k for k in KNOWN_ISSUES if k in label), None)
                 if kind is not None:
                     self.known[kind] = self.known.get(kind, 0) + 1
@@ -282,13 +286,16 @@ def served(draw: st.DrawFn, message_class: type[M]) -> M:
 
 
 WELL_FORMED = "Generate(well-formed)"
+# vLLM treats a temperature below its _SAMPLING_EPS (1e-5) as greedy; this keeps clear of it.
+GREEDY_BELOW = 1e-3
 
 
 @st.composite
 def well_formed_generate(draw: st.DrawFn) -> engine_pb2.GenerateRequest:
     """A Generate every worker must accept: a short prompt (text or ids inside any vocabulary) and
     sampling values inside their ranges, each set or not. Beside the fuzzed messages, of which only a
-    handful happen to be valid, these hold the accepted path to a count the draws cannot starve."""
+    handful happen to be valid, these hold the accepted path to a count the draws cannot starve. n is
+    above 1 only with sampling, not greedy."""
     request = engine_pb2.GenerateRequest()
     if draw(st.booleans()):
         request.text = draw(st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), min_size=1,
@@ -306,6 +313,9 @@ def well_formed_generate(draw: st.DrawFn) -> engine_pb2.GenerateRequest:
     for name, values in optional.items():
         if draw(st.booleans()):
             setattr(sampling, name, draw(values))
+    if sampling.n > 1 and sampling.HasField("temperature") and sampling.temperature < GREEDY_BELOW:
+        # vLLM refuses n > 1 with greedy sampling (the choices would be the same), and rightly.
+        sampling.temperature = draw(st.floats(GREEDY_BELOW, 2))
     sampling.stop.extend(draw(st.lists(st.text(st.characters(min_codepoint=0x61, max_codepoint=0x7A),
                                                min_size=1, max_size=4), max_size=2)))
     return request
@@ -315,7 +325,7 @@ def test_the_worker_answers_fuzzed_messages_precisely(stack: Stack) -> None:
     channel = grpc.insecure_channel(stack.grpc_address)
     engine = engine_pb2_grpc.EngineStub(channel)
     before = _greedy(engine)
-    outcomes = Outcomes(PRECISE)
+    outcomes = Outcomes(PRECISE, must_succeed=frozenset({WELL_FORMED}))
     raw = {name: _raw(channel, ENGINE_METHOD + name, streams=name == "Generate") for name in ENGINE_REQUESTS}
     calls = st.one_of(
         served(engine_pb2.GenerateRequest).map(lambda m: ("Generate", capped(m))),
