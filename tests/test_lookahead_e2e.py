@@ -173,13 +173,6 @@ class Deployment:
                                                       temperature=0, max_tokens=max_tokens)
         return self.accepted() - before, reply.choices[0].message.content or ""
 
-    def answer_and_publish(self, messages: list[dict[str, str]]) -> tuple[float, str]:
-        """accepted_during, then wait until the finished sequence is in Redis."""
-        records = self.records_in_redis()
-        accepted, answer = self.accepted_during(messages)
-        wait_for(lambda: self.records_in_redis() > records, "the sequence to reach Redis")
-        return accepted, answer
-
     def records_in_redis(self) -> int:
         channel = grpc.insecure_channel(f"127.0.0.1:{self.cache_port}")
         try:
@@ -392,29 +385,6 @@ def test_per_request_mode_has_no_cross_request_drafts(per_request: Deployment) -
     # (the shared stack's repeat gains more than MAX_TOKENS / 4, test_one_requests_output_drafts_anothers).
     assert second < first + MAX_TOKENS // 8, f"a repeated request accepted {second} drafted tokens, the first {first}"
     assert per_request.metrics()["taco_llm_lookahead_index_tokens"] == 0
-
-
-def test_the_index_outlives_a_restart_of_the_worker_the_cache_service_and_redis(shared: Deployment) -> None:
-    """Every process that holds the index stops; Redis comes back from its append-only file, and the new
-    worker drafts from what it loads, for requests answered long before and just before the restart."""
-    earlier = chat("Explain how a bicycle gear system works to a child.")
-    cold_earlier, answer_earlier = shared.answer_and_publish(earlier)
-    question = chat("Give three tips for keeping houseplants alive in winter.")
-    cold, answer = shared.answer_and_publish(question)
-    records = shared.records_in_redis()
-    shared.stop_worker()
-    shared.stop_cache()
-    assert shared.redis is not None
-    shared.redis.stop()
-    shared.redis.start()
-    shared.start_cache()
-    assert shared.records_in_redis() == records, "Redis came back without its append-only log"
-    shared.start_worker()
-    wait_for(shared.ready, "the gateway to reconnect")
-    for messages, first, reference in ((question, cold, answer), (earlier, cold_earlier, answer_earlier)):
-        warm, again = shared.accepted_during(messages)
-        assert again == reference
-        assert warm > first + MAX_TOKENS // 4, f"after restarting everything: {warm} accepted tokens, cold {first}"
 
 
 def test_requests_complete_while_redis_is_down_and_sync_resumes(stack: Stack, client: openai.OpenAI,
