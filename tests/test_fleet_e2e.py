@@ -26,9 +26,11 @@ import openai
 import psutil
 import pytest
 import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from taco_llm.protos import engine_pb2, engine_pb2_grpc
+from taco_llm.protos import engine_pb2, engine_pb2_grpc, rich_status
+from taco_llm.protos.engine_limits import ENGINE_SERVICE
 from taco_llm.protos.registry_keys import REGISTRY_KEY_PREFIX
 
 from .otlp_receiver import OtlpReceiver
@@ -252,18 +254,20 @@ def test_the_workers_metrics_are_found_through_the_gateway(fleet: Fleet) -> None
             assert "vllm:" in reply.read().decode()
 
 
-def test_one_trace_spans_gateway_and_worker(fleet: Fleet, fleet_client: openai.OpenAI) -> None:
+def test_one_trace_spans_gateway_worker_and_vllm(fleet: Fleet, fleet_client: openai.OpenAI) -> None:
     fleet_client.completions.create(model="SmolLM2-135M-Instruct", prompt="Trace me", max_tokens=2)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         services_by_trace: dict[str, set[str]] = {}
         for span in fleet.receiver.spans():
             services_by_trace.setdefault(span.trace_id, set()).add(span.service)
-        if any({"taco-llm-gateway", "taco-llm-worker"} <= services for services in services_by_trace.values()):
+        # The gateway's, the worker's and vLLM's own request span (its service is neither of ours).
+        ours = {"taco-llm-gateway", "taco-llm-worker"}
+        if any(ours < services for services in services_by_trace.values()):
             return
         time.sleep(1)
     seen = sorted({(span.service, span.name) for span in fleet.receiver.spans()})
-    raise AssertionError(f"no trace id spans the gateway and a worker; spans seen: {seen}")
+    raise AssertionError(f"no trace id spans the gateway, a worker and vLLM; spans seen: {seen}")
 
 
 def test_discovery_a_worker_started_later_joins_and_a_stopped_one_leaves(
@@ -335,7 +339,25 @@ def test_drain_lets_a_stream_finish_and_takes_nothing_new(fleet: Fleet, fleet_cl
     index = next(i for i in range(NUM_WORKERS) if fleet.active_streams(i) > 0)
     address = fleet.worker_address(index)
     draining_served = fleet.served()[index]
-    os.kill(fleet.worker_pid(index), signal.SIGTERM)
+    registry = redis.Redis.from_url(fleet.redis.url)
+    try:
+        assert _registered(registry, address), "the serving worker is not registered"
+        os.kill(fleet.worker_pid(index), signal.SIGTERM)
+        signalled = time.monotonic()
+        with grpc.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while any(health.Check(health_pb2.HealthCheckRequest(service=name), timeout=2).status
+                      != health_pb2.HealthCheckResponse.NOT_SERVING for name in ("", ENGINE_SERVICE)):
+                assert time.monotonic() - signalled < 1.0, "health turns NOT_SERVING at once"
+                time.sleep(0.02)
+            assert not _registered(registry, address), "the registry key is deleted at once, not left to expire"
+            with pytest.raises(grpc.RpcError) as refused:
+                list(engine_pb2_grpc.EngineStub(channel).Generate(engine_pb2.GenerateRequest(
+                    text="Hi", sampling=engine_pb2.SamplingParams(max_tokens=2)), timeout=10))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert rich_status.details_of(refused.value).reason == "WORKER_DRAINING"
+    finally:
+        registry.close()
     deadline = time.monotonic() + 2
     while fleet.gateway_value("taco_llm_worker_ready", worker=address) == 1:
         assert time.monotonic() < deadline, "the draining worker stayed in rotation"
@@ -349,6 +371,14 @@ def test_drain_lets_a_stream_finish_and_takes_nothing_new(fleet: Fleet, fleet_cl
     assert finish == "length" and completion_tokens == 160, (finish, completion_tokens)
     assert fleet.gateway_value("taco_llm_router_migrations_total") == 0, "a drained stream was migrated"
     fleet.wait_rejoined(index)
+    assert f"the engine worker {index} exited with code 0" in fleet.process.log.read_text(errors="replace"), \
+        "the drained worker did not exit cleanly"
+
+
+def _registered(registry: redis.Redis, address: str) -> bool:
+    """Whether a registry key names the worker at `address`."""
+    return any(address.encode() in (registry.get(key) or b"")
+               for key in registry.scan_iter(match=f"{REGISTRY_KEY_PREFIX}*"))
 
 
 def test_kill_a_worker_mid_stream_loses_nothing(fleet: Fleet, fleet_client: openai.OpenAI) -> None:
