@@ -6,6 +6,8 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -277,6 +279,37 @@ def test_records_of_other_workers_draft_only_within_their_scope(tmp_path: Path,
     drafts = step(proposer, {"bob": again, "alice": again}, {"bob": 18, "alice": 18}, {"bob": [50], "alice": [50]},
                   salts={"bob": BOB, "alice": ALICE})
     assert drafts == {"bob": [], "alice": [51, 52, 53, 54, 55, 56, 57]}
+    proposer.sync = None
+
+
+def test_delivery_is_timed_for_live_records_and_not_for_the_backlog(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from prometheus_client import REGISTRY
+
+    def timed(what: str) -> tuple[float, float, float]:
+        """The histogram's count, and its counts within 30 ms and within 100 ms."""
+        name = f"taco_llm_lookahead_sync_{what}_seconds"
+        return (REGISTRY.get_sample_value(f"{name}_count") or 0.0,
+                REGISTRY.get_sample_value(f"{name}_bucket", {"le": "0.03"}) or 0.0,
+                REGISTRY.get_sample_value(f"{name}_bucket", {"le": "0.1"}) or 0.0)
+
+    proposer = make_proposer(tmp_path, monkeypatch)
+    caught_up = threading.Event()
+    caught_up.set()
+    # Answered an hour ago and loaded at start: its age is not a delivery time.
+    now = time.time()
+    proposer.sync = SimpleNamespace(inbox=collections.deque([Sequence(PROMPT, OUTPUT, "", now - 3600, now)]),
+                                    caught_up=caught_up)
+    delivery, arrival = timed("delivery"), timed("arrival")
+    proposer._load_shared_backlog()
+    assert (timed("delivery"), timed("arrival")) == (delivery, arrival)
+    # Finished 60 ms ago on another worker and received 20 ms later, drafted from at this step: it arrived
+    # within 30 ms of its finish, and became draftable after 30 ms but within 100.
+    now = time.time()
+    proposer.sync.inbox.append(Sequence([5, 6], [7, 8], "", now - 0.06, now - 0.04))
+    step(proposer, {"a": [*PROMPT, 50]}, {"a": len(PROMPT)}, {"a": [50]})
+    assert timed("arrival") == (arrival[0] + 1, arrival[1] + 1, arrival[2] + 1)
+    assert timed("delivery") == (delivery[0] + 1, delivery[1], delivery[2] + 1)
     proposer.sync = None
 
 

@@ -156,7 +156,7 @@ class LookaheadProposer:
         assert self.sync is not None
         self.sync.caught_up.wait(timeout)
         loaded = len(self.sync.inbox)
-        self._drain_inbox(limit=None)
+        self._drain_inbox(limit=None, timed=False)
         logger.info("lookahead cache: loaded %d sequences from the shared index (%d tokens indexed, %d scopes)",
                     loaded, self.index_tokens, len(self.scopes))
 
@@ -177,7 +177,7 @@ class LookaheadProposer:
                                "(taco_llm worker sets it)")
         started = time.perf_counter()
         request_ids = batch_request_ids(self.runner)
-        self._drain_inbox(INBOX_TOKENS_PER_STEP)
+        self._drain_inbox(INBOX_TOKENS_PER_STEP, timed=True)
         self.global_acceptance.fade()  # even in steps without verdicts: see acceptance.py
         # First every decoding request takes in its new tokens, then each drafts, so that requests
         # running side by side draft from one another's latest output.
@@ -312,13 +312,20 @@ class LookaheadProposer:
             self.index_bytes = self._shared_bytes()
         self.index_tokens = self._shared_tokens()
 
-    def _drain_inbox(self, limit: int | None) -> None:
+    def _drain_inbox(self, limit: int | None, *, timed: bool) -> None:
+        """Indexes received sequences, at most `limit` tokens of them; `timed`: observe each one's arrival
+        and delivery times (from its finish on the other worker to its arrival here, and to now, when it
+        becomes draftable)."""
         if self.sync is None:
             return
         inbox, budget = self.sync.inbox, limit
         while inbox and (budget is None or budget > 0):
             sequence = inbox.popleft()
             self._add_shared([] if self.settings.ignore_prompt else sequence.prompt, sequence.output, sequence.scope)
+            if timed and sequence.finished_unix:
+                metrics.sync_delivery_seconds.observe(max(0.0, time.time() - sequence.finished_unix))
+                if sequence.received_unix:
+                    metrics.sync_arrival_seconds.observe(max(0.0, sequence.received_unix - sequence.finished_unix))
             if budget is not None:
                 budget -= len(sequence.prompt) + len(sequence.output)
 

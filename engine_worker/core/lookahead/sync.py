@@ -33,6 +33,11 @@ class Sequence:
     prompt: list[int]
     output: list[int]
     scope: str = ""
+    # When the publishing worker finished it, by that worker's clock (0: not known). Across hosts the
+    # delivery time read from it carries the clocks' offset.
+    finished_unix: float = 0.0
+    # When this worker's subscriber received it (0: not received from the stream).
+    received_unix: float = 0.0
 
 
 class IndexSync:
@@ -108,7 +113,8 @@ class IndexSync:
                         self.last_id = record.id
                         if record.origin == self.origin:
                             continue
-                        self.inbox.append(Sequence(list(record.prompt), list(record.output), record.scope))
+                        self.inbox.append(Sequence(list(record.prompt), list(record.output), record.scope,
+                                                   record.created_unix, time.time()))
                         self.received += 1
                         if record.created_unix:
                             self.lag_seconds = max(0.0, time.time() - record.created_unix)
