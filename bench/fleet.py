@@ -429,22 +429,24 @@ def free_port_run(count: int) -> int:
 
 @dataclass
 class Fleet:
-    """One `taco_llm serve --num-workers 2`, its log and the processes it started."""
+    """One `taco_llm serve --num-workers K` (`num_workers`, as its argv says), its log and the processes
+    it started."""
 
     argv: list[str]
     url: str
     log: Path
     process: subprocess.Popen[bytes] | None = None
     workers: list[WorkerProcess] = field(default_factory=list)
+    num_workers: int = WORKERS
 
     def start(self) -> None:
         self.process = launch(self.argv, self.log)
         wait_healthy(f"{self.url}/health", [self.process])
         deadline = time.monotonic() + 900
         found = worker_processes(self.process.pid)
-        while len(found) < WORKERS:
+        while len(found) < self.num_workers:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"serve started {len(found)} workers, not {WORKERS}; see {self.log}")
+                raise RuntimeError(f"serve started {len(found)} workers, not {self.num_workers}; see {self.log}")
             time.sleep(1)
             found = worker_processes(self.process.pid)
         for _, port in found:
@@ -457,10 +459,10 @@ class Fleet:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             ready = by_label(self.gateway_metrics(), "taco_llm_worker_ready", "worker")
-            if not ready or sum(ready.values()) >= WORKERS:
+            if not ready or sum(ready.values()) >= self.num_workers:
                 return
             time.sleep(0.5)
-        raise RuntimeError(f"the gateway did not see {WORKERS} ready workers within 120s; see {self.log}")
+        raise RuntimeError(f"the gateway did not see {self.num_workers} ready workers within 120s; see {self.log}")
 
     def stop(self) -> None:
         if self.process is not None:

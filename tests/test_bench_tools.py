@@ -137,3 +137,17 @@ def test_the_lookahead_sync_bench_writes_its_report(tmp_path: Path) -> None:
     assert set(row["latency_ms"]) == {"p50", "p90", "p99", "max"}
     assert row["bytes_per_output_token"]["redis_held"] > 0
     assert row["bytes_per_output_token"]["grpc_published"] > 0
+
+
+def test_the_delivery_quantiles_interpolate_within_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCH))
+    import lookahead_sync_load
+
+    # 100 deliveries: 50 within 10 ms, 40 more within 50 ms, 9 within 100 ms, 1 past every bound.
+    buckets = [(0.01, 50.0), (0.05, 90.0), (0.1, 99.0), (float("inf"), 100.0)]
+    assert lookahead_sync_load.quantile(buckets, 0.5) == pytest.approx(0.01)
+    assert lookahead_sync_load.quantile(buckets, 0.7) == pytest.approx(0.03)
+    assert lookahead_sync_load.quantile(buckets, 0.95) == pytest.approx(0.05 + 0.05 * 5 / 9)
+    assert lookahead_sync_load.quantile(buckets, 0.999) == pytest.approx(0.1)
+    assert lookahead_sync_load.within(buckets, 0.1) == pytest.approx(0.99)
+    assert lookahead_sync_load.quantile([(0.01, 0.0), (float("inf"), 0.0)], 0.5) is None
