@@ -113,11 +113,12 @@ class IndexSync:
                         self.last_id = record.id
                         if record.origin == self.origin:
                             continue
+                        now = time.time()
                         self.inbox.append(Sequence(list(record.prompt), list(record.output), record.scope,
-                                                   record.created_unix, time.time()))
+                                                   record.created_unix, now))
                         self.received += 1
                         if record.created_unix:
-                            self.lag_seconds = max(0.0, time.time() - record.created_unix)
+                            self.lag_seconds = max(0.0, now - record.created_unix)
                     if response.caught_up:
                         self.caught_up.set()
             except grpc.RpcError as error:
