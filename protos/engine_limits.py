@@ -19,3 +19,32 @@ ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 # templates may know more, but a role OpenAI refuses is refused here too (ChatMessage.role stays a string:
 # see engine.proto).
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+# Keepalive between gateways and workers. A worker cut off by the network (a partition: no connection is
+# refused, packets just stop) is found by the gateway's HTTP/2 pings: one goes out after KEEPALIVE_TIME_MS
+# without traffic, and a ping unanswered for KEEPALIVE_TIMEOUT_MS closes the connection, failing its
+# streams with UNAVAILABLE, which the gateway then migrates. A partition is therefore noticed within
+# KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS (5 s) even while every stream on the connection waits on a
+# long prefill. The worker must accept pings that often, even between calls, or it answers with GOAWAY
+# ("too_many_pings") and drops healthy connections.
+KEEPALIVE_TIME_MS = 2_000
+KEEPALIVE_TIMEOUT_MS = 3_000
+
+# Client-side channel arguments for the pings above (gateway -> worker, worker -> cache service).
+KEEPALIVE_CLIENT_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    # gRPC keeps one ping in flight: when a connection dies with another ping out (flow control's BDP
+    # ping, sent as data arrives), no keepalive ping goes until that one times out, after a minute by
+    # default. Any ping unanswered this long ends the connection.
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+)
+# Server-side: accept those pings (half the interval leaves room for timer jitter), never count them as
+# abuse.
+KEEPALIVE_SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+    ("grpc.http2.max_ping_strikes", 0),
+)

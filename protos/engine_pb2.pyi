@@ -399,16 +399,20 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("num_running_requests", "num_waiting_requests", "kv_cache_usage", "num_active_streams")
+    __slots__ = ("num_running_requests", "num_waiting_requests", "kv_cache_usage", "num_active_streams", "prefix_cache_incarnation", "engine_stalled_ms")
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_ACTIVE_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_STALLED_MS_FIELD_NUMBER: _ClassVar[int]
     num_running_requests: int
     num_waiting_requests: int
     kv_cache_usage: float
     num_active_streams: int
-    def __init__(self, num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_active_streams: _Optional[int] = ...) -> None: ...
+    prefix_cache_incarnation: str
+    engine_stalled_ms: int
+    def __init__(self, num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_active_streams: _Optional[int] = ..., prefix_cache_incarnation: _Optional[str] = ..., engine_stalled_ms: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("model", "text", "chat", "add_special_tokens", "return_token_strs")

@@ -157,7 +157,7 @@ class BlockHits(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., hits: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("bytes_used", "bytes_budget", "num_blocks", "lookups", "lookup_hit_blocks", "lookup_miss_blocks", "blocks_served", "blocks_stored", "blocks_below_threshold", "blocks_evicted", "bytes_stored", "bytes_served", "min_access_threshold", "hit_counts_enabled", "top_hits", "reads_in_progress", "bytes_stored_shm", "bytes_served_shm", "windows_attached")
+    __slots__ = ("bytes_used", "bytes_budget", "num_blocks", "lookups", "lookup_hit_blocks", "lookup_miss_blocks", "blocks_served", "blocks_stored", "blocks_below_threshold", "blocks_evicted", "bytes_stored", "bytes_served", "min_access_threshold", "hit_counts_enabled", "top_hits", "reads_in_progress", "bytes_stored_shm", "bytes_served_shm", "windows_attached", "incarnation")
     BYTES_USED_FIELD_NUMBER: _ClassVar[int]
     BYTES_BUDGET_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +177,7 @@ class StatsResponse(_message.Message):
     BYTES_STORED_SHM_FIELD_NUMBER: _ClassVar[int]
     BYTES_SERVED_SHM_FIELD_NUMBER: _ClassVar[int]
     WINDOWS_ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     bytes_used: int
     bytes_budget: int
     num_blocks: int
@@ -196,4 +197,5 @@ class StatsResponse(_message.Message):
     bytes_stored_shm: int
     bytes_served_shm: int
     windows_attached: int
-    def __init__(self, bytes_used: _Optional[int] = ..., bytes_budget: _Optional[int] = ..., num_blocks: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_hit_blocks: _Optional[int] = ..., lookup_miss_blocks: _Optional[int] = ..., blocks_served: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., blocks_below_threshold: _Optional[int] = ..., blocks_evicted: _Optional[int] = ..., bytes_stored: _Optional[int] = ..., bytes_served: _Optional[int] = ..., min_access_threshold: _Optional[int] = ..., hit_counts_enabled: _Optional[bool] = ..., top_hits: _Optional[_Iterable[_Union[BlockHits, _Mapping]]] = ..., reads_in_progress: _Optional[int] = ..., bytes_stored_shm: _Optional[int] = ..., bytes_served_shm: _Optional[int] = ..., windows_attached: _Optional[int] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, bytes_used: _Optional[int] = ..., bytes_budget: _Optional[int] = ..., num_blocks: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_hit_blocks: _Optional[int] = ..., lookup_miss_blocks: _Optional[int] = ..., blocks_served: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., blocks_below_threshold: _Optional[int] = ..., blocks_evicted: _Optional[int] = ..., bytes_stored: _Optional[int] = ..., bytes_served: _Optional[int] = ..., min_access_threshold: _Optional[int] = ..., hit_counts_enabled: _Optional[bool] = ..., top_hits: _Optional[_Iterable[_Union[BlockHits, _Mapping]]] = ..., reads_in_progress: _Optional[int] = ..., bytes_stored_shm: _Optional[int] = ..., bytes_served_shm: _Optional[int] = ..., windows_attached: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...

@@ -17,3 +17,8 @@ HEARTBEATS_PER_TTL = 3
 
 # How often a gateway lists the registry; far below the TTL, so a new worker joins within a second.
 LIST_INTERVAL_SECONDS = 1.0
+
+# The environment variable that names a worker's instance (WorkerRecord.instance): set it where the host
+# name is not stable across restarts but something else is (a StatefulSet pod's name, a unit's name).
+# Unset, a worker is HOSTNAME:PORT (its host name and the port it advertises).
+INSTANCE_ENV = "TACO_LLM_INSTANCE"

@@ -7,15 +7,19 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerRecord(_message.Message):
-    __slots__ = ("worker_id", "address", "served_model_names", "started_unix_ms", "heartbeat_unix_ms")
+    __slots__ = ("worker_id", "address", "served_model_names", "started_unix_ms", "heartbeat_unix_ms", "instance", "ttl_ms")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SERVED_MODEL_NAMES_FIELD_NUMBER: _ClassVar[int]
     STARTED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     served_model_names: _containers.RepeatedScalarFieldContainer[str]
     started_unix_ms: int
     heartbeat_unix_ms: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., served_model_names: _Optional[_Iterable[str]] = ..., started_unix_ms: _Optional[int] = ..., heartbeat_unix_ms: _Optional[int] = ...) -> None: ...
+    instance: str
+    ttl_ms: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., served_model_names: _Optional[_Iterable[str]] = ..., started_unix_ms: _Optional[int] = ..., heartbeat_unix_ms: _Optional[int] = ..., instance: _Optional[str] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
