@@ -19,6 +19,10 @@ from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 # One comment per import: [area] what the project uses it for, and why nothing public serves.
+# [kv connector] The connector vLLM built in this worker process: tests read what it computed
+# (tests/offload_kv_probe.py); vLLM hands a connector nothing that names it.
+from vllm.distributed.kv_transfer import get_kv_transfer_group
+
 # [kv connector] This worker's tensor-parallel rank (offloaded blocks are stored per rank).
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -69,6 +73,10 @@ from vllm.triton_utils.dispatcher import register_kernels
 
 # [cli] The parser class AsyncEngineArgs.add_cli_args needs (its `--x.y` and JSON flags); not exported.
 from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+# [kv connector] vLLM's CPU thread binding: cpu_cores_reserved_without_kv_connector below follows its rule
+# for reserved cores, and tests/test_offload_unit.py checks that against it.
+from vllm.utils.ompmultiprocessing import OMPProcessManager
 
 # [kv connector] The types of KVConnectorBase_V1's method arguments (the base class itself is public).
 from vllm.v1.attention.backend import AttentionMetadata
@@ -275,6 +283,23 @@ def connector_metadata(connector: KVConnectorBase_V1) -> KVConnectorMetadata:
     return connector._get_connector_metadata()
 
 
+# On CPU vLLM binds one OpenMP thread to each allowed core but those it reserves for its other processes:
+# one core per local rank, and one more per rank whenever kv_transfer_config is set (meant for NIXL's
+# transfer threads), unless this variable (vLLM's documented CPU setting) says how many
+# (vllm/utils/ompmultiprocessing.py, OMPProcessManager.__init__). With fewer threads the engine splits its
+# arithmetic differently, and in bfloat16 that rounds differently: configuring a connector alone changed
+# greedy output. tests/test_offload_unit.py checks this rule against OMPProcessManager.
+CPU_RESERVED_CORES_VAR = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+
+
+def cpu_cores_reserved_without_kv_connector(local_world_size: int) -> int:
+    """The cores vLLM on CPU reserves (keeps its OpenMP threads off) when no KV connector is configured."""
+    from vllm.platforms import CpuArchEnum, current_platform
+
+    per_rank = current_platform.get_cpu_architecture() in (CpuArchEnum.X86, CpuArchEnum.ARM, CpuArchEnum.RISCV)
+    return local_world_size if per_rank else 1
+
+
 # --- what is checked beyond the imports above (tests/test_vllm_internals.py) -------------------------
 # Parameters the project passes by name or position, per "module:qualified name".
 SIGNATURES: dict[str, tuple[str, ...]] = {
@@ -365,6 +390,7 @@ __all__ = [
     "AUTO_TOOL_CHOICE_NEEDS_PARSER",
     "CONTEXT_OVERFLOW_MODULE",
     "CONTEXT_OVERFLOW_PARAMETERS",
+    "CPU_RESERVED_CORES_VAR",
     "EXPAND_KERNEL",
     "PUBLIC_MODULES",
     "REPEATED_MESSAGES",
@@ -385,6 +411,7 @@ __all__ = [
     "LoRAModulePath",
     "LoRAParserAction",
     "NgramProposer",
+    "OMPProcessManager",
     "Parser",
     "ParserManager",
     "PlatformWorker",
@@ -397,9 +424,11 @@ __all__ = [
     "batch_prompt_length",
     "batch_request_ids",
     "connector_metadata",
+    "cpu_cores_reserved_without_kv_connector",
     "expand_batch_to_tokens",
     "finished_request_ids",
     "forced_tool_choice_needs_parser",
+    "get_kv_transfer_group",
     "get_prometheus_registry",
     "get_structured_output_key",
     "get_tensor_model_parallel_rank",

@@ -93,6 +93,8 @@ def test_model_info_and_load(engine: engine_pb2_grpc.EngineStub) -> None:
     assert 2 in info.eos_token_ids and info.engine_version.startswith("0.32")
     load = _wait_idle(engine)
     assert load.num_running_requests == 0 and 0.0 <= load.kv_cache_usage <= 1.0
+    # An idle engine is not stalled; without prefix-KV offload there is no cache service to name.
+    assert load.engine_stalled_ms == 0 and load.prefix_cache_incarnation == ""
 
 
 def test_health_and_reflection(stack: Stack) -> None:

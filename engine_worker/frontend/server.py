@@ -23,7 +23,7 @@ from taco_llm.grpc_decoding import RequestDecodingInterceptor
 from taco_llm.grpc_security import add_port
 from taco_llm.preflight import report_exit_reason
 from taco_llm.protos import engine_pb2_grpc
-from taco_llm.protos.engine_limits import ENGINE_SERVICE, GRPC_MESSAGE_LIMIT
+from taco_llm.protos.engine_limits import ENGINE_SERVICE, GRPC_MESSAGE_LIMIT, KEEPALIVE_SERVER_OPTIONS
 
 from .. import die_with_parent
 from ..handoff import PROMETHEUS_MULTIPROC_DIR
@@ -31,6 +31,7 @@ from ..lookahead_settings import ConfigError, configure_lookahead
 from ..vllm_internals import get_prometheus_registry
 from .args import WorkerArgs
 from .auth import ApiKeyInterceptor
+from .cache_incarnation import CacheServiceIncarnation
 from .drain import drain
 from .engine import LoadTracker, resolve_default_model, start_engine
 from .registry import Registrar
@@ -48,6 +49,8 @@ class WorkerStartError(RuntimeError):
 STOP_GRACE_SECONDS = 1.0
 # How often the worker asks whether the engine is alive while no stream would tell it.
 ENGINE_CHECK_SECONDS = 0.5
+# How often the worker compares the engine's stall with --engine-stall-timeout.
+PROGRESS_CHECK_SECONDS = 0.5
 
 
 async def _watch_engine(engine: AsyncLLM, on_engine_dead: Callable[[], None]) -> None:
@@ -63,6 +66,30 @@ async def _watch_engine(engine: AsyncLLM, on_engine_dead: Callable[[], None]) ->
                          "this worker")
             on_engine_dead()
             return
+
+
+async def _watch_progress(stalled_seconds: Callable[[], float], limit: float,
+                          health_service: health.aio.HealthServicer) -> None:
+    """NOT_SERVING on gRPC health (the server's and the Engine service's) while the engine has gone more
+    than `limit` seconds without finishing a step with requests to run, SERVING again once it steps.
+    The worker stays up and keeps its streams: a stall may end (a long step, a paused process), and a
+    gateway decides what to do with streams on a worker that says NOT_SERVING. Cancelled before a drain,
+    which then owns the health status."""
+    stalled = False
+    while True:
+        await asyncio.sleep(PROGRESS_CHECK_SECONDS)
+        seconds = stalled_seconds()
+        if (seconds > limit) == stalled:
+            continue
+        stalled = not stalled
+        if stalled:
+            logger.warning("the engine has finished no step for %.1fs with requests to run (--engine-stall-timeout "
+                           "%gs): NOT_SERVING until it does", seconds, limit)
+        else:
+            logger.warning("the engine is making progress again: SERVING")
+        status = health_pb2.HealthCheckResponse.NOT_SERVING if stalled else health_pb2.HealthCheckResponse.SERVING
+        for name in ("", ENGINE_SERVICE):
+            await health_service.set(name, status)
 
 
 async def _log_stats(engine: AsyncLLM, interval: float) -> None:
@@ -115,9 +142,11 @@ async def serve(args: WorkerArgs, stop: asyncio.Event, *, hurry: asyncio.Event |
         hurry.set()  # nothing left to drain into
 
     tracing = Tracing(args.engine.otlp_traces_endpoint)
+    cache_incarnation = (CacheServiceIncarnation(args.prefix_cache_service, args.cache_service_client)
+                         if args.prefix_cache_service else None)
     service = EngineService(engine, served, on_engine_dead=on_engine_dead, frontend=args.frontend, load=load,
                             tracing=tracing, prefix_cache_service=args.prefix_cache_service or "",
-                            metrics_port=args.metrics_port or 0)
+                            metrics_port=args.metrics_port or 0, cache_incarnation=cache_incarnation)
 
     interceptors: list[grpc.aio.ServerInterceptor] = [*tracing.interceptors]
     if args.api_key:
@@ -127,6 +156,7 @@ async def serve(args: WorkerArgs, stop: asyncio.Event, *, hurry: asyncio.Event |
         ("grpc.max_send_message_length", GRPC_MESSAGE_LIMIT),
         ("grpc.max_receive_message_length", GRPC_MESSAGE_LIMIT),
         ("grpc.so_reuseport", 0),
+        *KEEPALIVE_SERVER_OPTIONS,  # gateways ping every 2 s to find partitions
     ], interceptors=interceptors or None)
     engine_pb2_grpc.add_EngineServicer_to_server(service, server)
     health_service = health.aio.HealthServicer()
@@ -156,18 +186,21 @@ async def serve(args: WorkerArgs, stop: asyncio.Event, *, hurry: asyncio.Event |
     registrar = None
     if args.registry is not None:
         registrar = Registrar(args.registry.url, args.registry.advertise_address, service.served_model_names,
-                              ttl=args.registry.ttl)
+                              ttl=args.registry.ttl, readdress=args.registry.current_address)
         await registrar.start()
 
     stats_task = None
     if not args.engine.disable_log_stats:
         stats_task = asyncio.create_task(_log_stats(engine, args.log_stats_interval))
     watch_task = asyncio.create_task(_watch_engine(engine, on_engine_dead))
+    progress_task = asyncio.create_task(
+        _watch_progress(service.engine_stalled_seconds, args.engine_stall_timeout, health_service))
+    incarnation_task = asyncio.create_task(cache_incarnation.run()) if cache_incarnation is not None else None
     stop_wait = asyncio.create_task(stop.wait())
     dead_wait = asyncio.create_task(engine_died.wait())
     await asyncio.wait({stop_wait, dead_wait}, return_when=asyncio.FIRST_COMPLETED)
     logger.info("shutting down%s", " (the engine died)" if engine_died.is_set() else "")
-    for task in (stop_wait, dead_wait, stats_task, watch_task):
+    for task in (stop_wait, dead_wait, stats_task, watch_task, progress_task, incarnation_task):
         if task is not None:
             task.cancel()
     await drain(service.gate, service.cut_streams, health_service, registrar,

@@ -27,6 +27,7 @@ from ..handoff import LOOKAHEAD_SCOPE_ARG, lookahead_scope
 from ..vllm_internals import is_context_overflow
 from . import prompts
 from .admission import StructuredOutputCheck, check_amplifiers, check_chat_messages, constraint_field
+from .cache_incarnation import CacheServiceIncarnation
 from .drain import StreamGate
 from .engine import LoadTracker
 from .frontend_args import FrontendOptions
@@ -99,7 +100,8 @@ def _cut_short(output: RequestOutput) -> bool:
 class EngineService(engine_pb2_grpc.EngineServicer):
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], on_engine_dead: Callable[[], None],
                  frontend: FrontendOptions | None = None, *, load: LoadTracker, tracing: Tracing | None = None,
-                 prefix_cache_service: str = "", metrics_port: int = 0):
+                 prefix_cache_service: str = "", metrics_port: int = 0,
+                 cache_incarnation: CacheServiceIncarnation | None = None):
         frontend = frontend or FrontendOptions()
         self.engine = engine
         self.on_engine_dead = on_engine_dead
@@ -107,6 +109,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         self.tracing = tracing or Tracing(None)
         self.gate = StreamGate()
         self.prefix_cache_service = prefix_cache_service
+        # Reads the incarnation of prefix_cache_service (None: offload is off).
+        self.cache_incarnation = cache_incarnation
         self.metrics_port = metrics_port
         self.loras = LoraRegistry(frontend.lora_modules, served_model_names[0])
         # The base model's names, then one per LoRA adapter: every name a request may use.
@@ -271,6 +275,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                                        skip_special_tokens=params.skip_special_tokens,
                                        include_stop_str_in_output=params.include_stop_str_in_output)
         builder = ResponseBuilder(request_id, params.logprobs or 0, tools, resumed=resumed_text)
+        self.load.progress.submitting(self.engine.get_num_unfinished_requests())
         self.running.add(request_id)
         cut = False
         started = False  # vLLM checks and queues the request before its first output
@@ -354,6 +359,10 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             info.bos_token_id = self.tokenizer.bos_token_id
         return info
 
+    def engine_stalled_seconds(self) -> float:
+        """How long the engine has finished no step while it had requests (0: idle or progressing)."""
+        return self.load.progress.stalled_seconds(self.engine.get_num_unfinished_requests())
+
     async def GetLoad(self, request: engine_pb2.GetLoadRequest,
                       context: grpc.aio.ServicerContext) -> engine_pb2.Load:
         load = self.load.latest
@@ -362,6 +371,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             num_waiting_requests=load.num_waiting_requests,
             kv_cache_usage=load.kv_cache_usage,
             num_active_streams=len(self.running),
+            prefix_cache_incarnation=self.cache_incarnation.latest if self.cache_incarnation else "",
+            engine_stalled_ms=int(self.engine_stalled_seconds() * 1000),
         )
 
     async def Tokenize(self, request: engine_pb2.TokenizeRequest,
