@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import uuid
 import zlib
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import NoReturn, TypeVar
@@ -65,7 +66,9 @@ async def _check_keys(keys: Sequence[bytes], context: grpc.aio.ServicerContext) 
 
 
 class KVBlockStoreServicer(kv_cache_pb2_grpc.KVBlockStoreServicer):
-    def __init__(self, config: CacheServiceConfig):
+    def __init__(self, config: CacheServiceConfig, *, incarnation: str | None = None):
+        # This run of the service (StatsResponse.incarnation): a fresh random id unless given one.
+        self.incarnation = incarnation or uuid.uuid4().hex
         self.store = BlockStore(config.kv_budget_bytes, config.min_access_threshold, config.count_hits)
         self.windows = WindowTable()
 
@@ -291,6 +294,7 @@ class KVBlockStoreServicer(kv_cache_pb2_grpc.KVBlockStoreServicer):
             hit_counts_enabled=store.count_hits, reads_in_progress=counters.reads_in_progress,
             bytes_stored_shm=self.windows.counters.bytes_stored_shm,
             bytes_served_shm=self.windows.counters.bytes_served_shm, windows_attached=len(self.windows),
+            incarnation=self.incarnation,
         )
         if store.count_hits:
             reply.top_hits.extend(kv_cache_pb2.BlockHits(key=k, hits=h) for k, h in store.top_hits(TOP_HITS_REPORTED))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ from taco_llm.grpc_security import ApiKeyInterceptor, add_port
 from taco_llm.protos import kv_cache_pb2, kv_cache_pb2_grpc, lookahead_pb2, lookahead_pb2_grpc
 
 # One limit for every service of this server, the lookahead index's too.
+from taco_llm.protos.engine_limits import KEEPALIVE_SERVER_OPTIONS
 from taco_llm.protos.kv_cache_limits import GRPC_MESSAGE_LIMIT
 
 from .config import CacheServiceConfig
@@ -38,9 +40,10 @@ class Servicer:
     close: Callable[[], Awaitable[None]]
 
 
-def servicers(config: CacheServiceConfig) -> list[Servicer]:
-    """Every service of the cache service, in one place. Each gets the whole config."""
-    kv = KVBlockStoreServicer(config)
+def servicers(config: CacheServiceConfig, incarnation: str) -> list[Servicer]:
+    """Every service of the cache service, in one place. Each gets the whole config; `incarnation` names
+    this run (StatsResponse.incarnation)."""
+    kv = KVBlockStoreServicer(config, incarnation=incarnation)
     lookahead = LookaheadIndexServicer(config.redis_url)
     return [
         Servicer(kv_cache_pb2.DESCRIPTOR.services_by_name["KVBlockStore"].full_name,
@@ -59,8 +62,13 @@ async def serve(config: CacheServiceConfig, stop: asyncio.Event) -> int:
         ("grpc.max_send_message_length", GRPC_MESSAGE_LIMIT),
         ("grpc.max_receive_message_length", GRPC_MESSAGE_LIMIT),
         ("grpc.so_reuseport", 0),
+        # Workers ping every 2 s to find a service cut off: taken, not answered with GOAWAY too_many_pings.
+        *KEEPALIVE_SERVER_OPTIONS,
     ], interceptors=interceptors or None)
-    offered = servicers(config)
+    # Drawn at every start: the blocks live in this process's memory, so a new run starts empty, and
+    # workers and gateways tell a restart from an outage by this id changing.
+    incarnation = uuid.uuid4().hex
+    offered = servicers(config, incarnation)
     for servicer in offered:
         servicer.add_to_server(server)
     health_service = health.aio.HealthServicer()
@@ -80,7 +88,7 @@ async def serve(config: CacheServiceConfig, stop: asyncio.Event) -> int:
     security = ", ".join([*(["mutual TLS" if config.grpc_tls.client_ca else "TLS"] if config.grpc_tls else []),
                           *(["API key"] if config.api_key else [])]) or "plain text, no key"
     print(f"taco_llm cache-service: serving {', '.join(names)} over gRPC at {address} ({security}; "
-          f"KV budget {config.kv_budget_bytes} bytes)", flush=True)
+          f"KV budget {config.kv_budget_bytes} bytes; incarnation {incarnation})", flush=True)
     await stop.wait()
     logger.info("shutting down")
     await health_service.enter_graceful_shutdown()

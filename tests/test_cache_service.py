@@ -19,6 +19,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from taco_llm.cache_service.block_store import BLOCK_OVERHEAD_BYTES, BlockStore, PutOutcome
+from taco_llm.cache_service.config import CacheServiceConfig
+from taco_llm.cache_service.kv_servicer import KVBlockStoreServicer
 from taco_llm.engine_worker.core.kv_offload.client import Backoff, BlockPayload, KVBlockClient, window_gone
 from taco_llm.engine_worker.core.kv_offload.hashing import chain_keys, engine_salt, request_salt
 from taco_llm.engine_worker.core.kv_offload.transfer import KVLayout, LayerwiseLoad, byte_view
@@ -185,6 +187,17 @@ def stub(cache_service: tuple[str, Process]) -> Iterator[kv_cache_pb2_grpc.KVBlo
     channel = grpc.insecure_channel(cache_service[0])
     yield kv_cache_pb2_grpc.KVBlockStoreStub(channel)
     channel.close()
+
+
+def test_each_run_of_the_service_has_an_incarnation_of_its_own(stub: kv_cache_pb2_grpc.KVBlockStoreStub) -> None:
+    """A random id per start, in every Stats reply: workers and gateways tell a restart (blocks gone) from an
+    outage by it."""
+    running = stub.Stats(kv_cache_pb2.StatsRequest()).incarnation
+    assert len(running) == 32 and running == stub.Stats(kv_cache_pb2.StatsRequest()).incarnation
+    config = CacheServiceConfig(grpc_host="127.0.0.1", grpc_port=0, kv_budget_bytes=MiB, redis_url=None,
+                                min_access_threshold=1, count_hits=False)
+    others = {KVBlockStoreServicer(config).incarnation for _ in range(2)}
+    assert len(others) == 2 and running not in others
 
 
 def _chunks(key: bytes, data: bytes, parent: bytes = b"", segments: int = 1, checksum: int | None = None,
@@ -600,9 +613,11 @@ def test_the_client_reattaches_after_a_service_restart_and_falls_back_to_grpc_by
         load(client)
         stub = kv_cache_pb2_grpc.KVBlockStoreStub(grpc.insecure_channel(address))
         assert stub.Stats(kv_cache_pb2.StatsRequest()).bytes_served_shm == 4 * layout.block_bytes
+        first_incarnation = stub.Stats(kv_cache_pb2.StatsRequest()).incarnation
         assert first.stop() == 0
         second = _start_service("restart-2", argv, address, tmp_path)
         wait_until(second, lambda: _reachable(stub))
+        assert stub.Stats(kv_cache_pb2.StatsRequest()).incarnation not in ("", first_incarnation)
         ref = kv_cache_pb2.WindowRef(window_id=ring.window_id, offset=0, length=MiB)
         error = _error(lambda: list(stub.GetBlocks(kv_cache_pb2.GetBlocksRequest(keys=keys[:1], window=ref))))
         assert error.code() == grpc.StatusCode.FAILED_PRECONDITION

@@ -251,6 +251,90 @@ def test_a_different_dtype_never_hits(offload: Offload, log_dir: Path) -> None:
     assert after.blocks_served == before.blocks_served
 
 
+# A request whose load stalls finishes within this many seconds of the stall: the worker gives a load up
+# after LOAD_STALL_SECONDS without progress (2 s) and recomputes, and any later Lookup of the scheduler waits
+# its --apc-offload-lookup-timeout (3 s here). Loose, as these CPUs are shared; the load deadline before the
+# stall deadline existed was 30 s, every request of the engine waiting with it.
+STALLED_REQUEST_BOUND = 25.0
+
+
+def unfinished_loads(offload: Offload) -> int:
+    """Loads of 9 blocks the worker logged as given up (stalled) or failed (an error, its deadline)."""
+    log = offload.stack.process.log.read_text()
+    return sum(1 for line in log.splitlines()
+               if "loading 9 blocks" in line and ("stalled (" in line or "failed" in line))
+
+
+def test_a_frozen_cache_service_costs_requests_a_deadline_not_a_hang(
+        offload: Offload, reference: Callable[[list[int]], list[int]]) -> None:
+    """The cache service is frozen (SIGSTOP: connections stay open and nothing answers, as when its host is cut
+    off) just as a request starts loading from it: that request, and one sent during the freeze, finish within
+    a bound with the greedy output of no offload. After SIGCONT, loads from the service work again. A freeze
+    that came after the load had finished does not count, and the test tries again."""
+    stalled = False
+    for attempt in range(5):
+        prompt = tokens(40 + attempt, 1200)  # 9 blocks
+        other = tokens(50 + attempt, 300)
+        expected, other_expected = reference(prompt), reference(other)
+        assert generate(offload.engine, prompt)[0] == expected
+        time.sleep(1.0)  # saves are asynchronous
+        offload.evict_local(40 + attempt)
+        pid = offload.cache_service_pid()
+        unfinished_before = unfinished_loads(offload)
+        lookups_before = stats(offload.store).lookups
+        results: dict[str, tuple[list[int], int]] = {}
+
+        def send(name: str, ids: list[int], into: dict[str, tuple[list[int], int]] = results) -> None:
+            into[name] = generate(offload.engine, ids)
+
+        request = threading.Thread(target=send, args=("prompt", prompt))
+        request.start()
+        # Freeze it once the scheduler's Lookup for this request is answered: the load comes next.
+        frozen = False
+        while request.is_alive() and not frozen:
+            with contextlib.suppress(grpc.RpcError):
+                now = stats(offload.store)
+                frozen = now.lookups > lookups_before or now.reads_in_progress > 0
+        if not frozen:
+            request.join(300)
+            continue
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            during = threading.Thread(target=send, args=("other", other))
+            during.start()
+            for thread in (request, during):
+                thread.join(max(0.0, stopped_at + STALLED_REQUEST_BOUND - time.monotonic()))
+            finished_in = time.monotonic() - stopped_at
+            assert not request.is_alive() and not during.is_alive(), (
+                f"requests still waiting {finished_in:.0f}s into a frozen cache service:\n{offload.complaints()}")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert results["prompt"][0] == expected, "a stalled load changed the greedy output"
+        assert results["other"][0] == other_expected
+        stalled = unfinished_loads(offload) > unfinished_before
+        if stalled:
+            print(f"both requests finished {finished_in:.1f}s after the cache service froze")
+            break
+    assert stalled, "never froze the cache service during a load"
+    # Thawed: the worker's backoff passes and loads from the service work again.
+    probe = tokens(60, 400)  # 3 blocks
+    expected = reference(probe)
+    deadline = time.monotonic() + 60
+    while True:
+        assert generate(offload.engine, probe)[0] == expected
+        time.sleep(1.0)
+        offload.evict_local(50)
+        before = stats(offload.store)
+        out, cached = generate(offload.engine, probe)
+        assert out == expected
+        if stats(offload.store).blocks_served - before.blocks_served == 3 and cached == 3 * BLOCK:
+            break
+        assert time.monotonic() < deadline, f"loads did not work again after the freeze:\n{offload.complaints()}"
+        probe = [*probe[1:], probe[0]]  # another prompt: the last one's blocks may be local again
+        expected = reference(probe)
+
+
 def test_killing_the_cache_service_mid_load_costs_no_request(
         offload: Offload, reference: Callable[[list[int]], list[int]]) -> None:
     """The service is frozen, then killed, while it writes a load into the worker's shared-memory

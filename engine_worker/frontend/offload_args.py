@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from vllm.config import KVTransferConfig
+from vllm.platforms import current_platform
 
 from ..handoff import CONNECTOR_CLASS, CONNECTOR_MODULE, DEFAULT_LOOKUP_TIMEOUT, OFFLOAD_TRANSPORTS
+from ..vllm_internals import CPU_RESERVED_CORES_VAR, cpu_cores_reserved_without_kv_connector
 
 logger = logging.getLogger(__name__)
 
@@ -76,4 +79,25 @@ def apply_offload_args(args: argparse.Namespace, parser: argparse.ArgumentParser
             "transport": args.apc_offload_transport,
         },
     )
+    keep_engine_threads(args)
     return address
+
+
+def keep_engine_threads(args: argparse.Namespace) -> None:
+    """On CPU, keeps the engine's OpenMP thread count what it is without offload.
+
+    vLLM reserves one more core per rank from its OpenMP threads whenever a KV connector is configured
+    (vllm_internals.CPU_RESERVED_CORES_VAR says where). Fewer threads split the arithmetic differently,
+    and in bfloat16 that changed greedy output with offload on, even where nothing was loaded. Our
+    connector's threads only wait on the network and copy memory; they need no core of their own. The
+    engine's processes inherit the variable. One the user set is left as it is."""
+    if not current_platform.is_cpu() or CPU_RESERVED_CORES_VAR in os.environ:
+        return
+    ranks = (getattr(args, "tensor_parallel_size", 1) * getattr(args, "pipeline_parallel_size", 1)
+             * getattr(args, "prefill_context_parallel_size", 1))
+    local_ranks = max(1, ranks // max(1, getattr(args, "nnodes", 1)))
+    reserved = cpu_cores_reserved_without_kv_connector(local_ranks)
+    os.environ[CPU_RESERVED_CORES_VAR] = str(reserved)
+    logger.info("prefix-KV offload: %s=%d, the cores vLLM reserves without a KV connector, so that offload "
+                "leaves the engine's OpenMP threads (and its bfloat16 rounding) as they are without it",
+                CPU_RESERVED_CORES_VAR, reserved)

@@ -25,6 +25,7 @@ import grpc
 
 from taco_llm.grpc_security import CacheServiceClient
 from taco_llm.protos import kv_cache_pb2, kv_cache_pb2_grpc
+from taco_llm.protos.engine_limits import KEEPALIVE_CLIENT_OPTIONS
 from taco_llm.protos.kv_cache_limits import CHUNK_BYTES, GRPC_MESSAGE_LIMIT, MAX_WINDOW_BYTES, SHM_DIR
 from taco_llm.protos.rich_status import Reason, has_reason
 
@@ -122,6 +123,12 @@ class KVBlockClient:
             ("grpc.max_reconnect_backoff_ms", 2000),
             ("grpc.initial_reconnect_backoff_ms", 200),
             ("grpc.min_reconnect_backoff_ms", 200),
+            # A service cut off or gone without a word (its host or container gone: nothing refuses or resets
+            # the connection) is found by unanswered pings within 5 s; the channel then drops that connection
+            # and dials again, so calls reach the service once it is back, at the same address or a new one
+            # behind the same name. Without them the dead connection is kept until TCP gives up (many minutes),
+            # every call in the meantime running out its deadline. The gateway's pings, same numbers.
+            *KEEPALIVE_CLIENT_OPTIONS,
         ])
         self._stub = kv_cache_pb2_grpc.KVBlockStoreStub(self._channel)
         # Connect now, so that the first Lookup's tight deadline is not spent on connecting; a service

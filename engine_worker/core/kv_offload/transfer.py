@@ -15,6 +15,7 @@ import functools
 import logging
 import queue
 import threading
+import time
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,9 +32,16 @@ from .window import SaveRing, ShmWindow
 
 logger = logging.getLogger("taco_llm.kv_offload")
 
-LOAD_TIMEOUT_SECONDS = 30.0   # base deadline of one step's GetBlocks
+# The engine's step waits on a load only while the load makes progress: once it has waited
+# LOAD_STALL_SECONDS and nothing happened meanwhile (no message from the cache service, no layer copied),
+# or the load ran past its whole deadline, the step gives up on it and vLLM recomputes its blocks. A
+# healthy service sends a message per layer within milliseconds (its blocks are in memory); a frozen or
+# cut-off one sends nothing, and every request in the batch waits with the step. 2 s is far above any
+# healthy gap, even on loaded CPUs, and is the gateway's keepalive interval (protos/engine_limits.py).
+LOAD_STALL_SECONDS = 2.0
+LOAD_TIMEOUT_SECONDS = 10.0   # base deadline of one step's whole load
 LOAD_SECONDS_PER_GIB = 10.0   # plus this much per GiB loaded (far below what the service delivers)
-SAVE_TIMEOUT_SECONDS = 30.0
+SAVE_TIMEOUT_SECONDS = 30.0   # on the sender's thread, never the engine's: a stalled save only holds its room
 # Saves whose bytes wait in private memory (gRPC transport) are capped; beyond it new saves are
 # dropped (they are only a future cache miss), so a slow service cannot grow the worker's memory.
 MAX_PENDING_SAVE_BYTES = 512 * 1024**2
@@ -110,54 +118,101 @@ class KVLayout:
 
 
 class LayerwiseLoad:
-    """One step's GetBlocks, written into the KV cache layer by layer as the bytes arrive."""
+    """One step's GetBlocks, written into the KV cache layer by layer as the bytes arrive.
 
-    def __init__(self, layout: KVLayout, client: KVBlockClient, keys: list[bytes], block_ids: list[int]):
+    The engine's thread waits on it (wait_layer, join) only while it makes progress and within its deadline
+    (LOAD_STALL_SECONDS says why); past either it gives the load up: the load is cancelled, writes nothing
+    more into the KV cache, and counts as failed, so that vLLM recomputes its blocks."""
+
+    def __init__(self, layout: KVLayout, client: KVBlockClient, keys: list[bytes], block_ids: list[int],
+                 *, stall_seconds: float = LOAD_STALL_SECONDS):
         self.layout = layout
         self.client = client
         self.keys = keys
         self.block_ids = block_ids
         self.num_layers = layout.num_layers
         self.events = [threading.Event() for _ in range(self.num_layers)]
+        self.finished = threading.Event()  # the load's thread is done (whether it loaded or not)
         self.layers_done = 0
         self.ok = False
         self.cancelled = False
         self.call: ChunkStream | None = None
+        self.window: ShmWindow | None = None
         self.copies = layout.load_copies(block_ids)
-        # Held while checking `cancelled` and queuing one layer's copy: once join() has cancelled the load,
-        # no copy into the KV cache starts.
+        # Held while checking `cancelled` and queuing one layer's copy: once the engine has given the load
+        # up, no copy into the KV cache starts.
         self.lock = threading.Lock()
         self.size = layout.block_bytes * len(keys)
         self.timeout = LOAD_TIMEOUT_SECONDS + LOAD_SECONDS_PER_GIB * self.size / 1024**3
+        self.stall_seconds = stall_seconds
+        self.deadline = 0.0
+        self.progress_at = 0.0  # when the load's thread last got anything done (a float: read without a lock)
+        self.given_up = False  # by the engine's thread
         self.thread = threading.Thread(target=self._run, name="kv-offload-load", daemon=True)
 
     def start(self) -> None:
         """On the engine's thread, before the forward pass."""
+        self.progress_at = time.monotonic()
+        self.deadline = self.progress_at + self.timeout
         self.copies.begin()
         self.thread.start()
 
+    def _progressed(self) -> None:
+        self.progress_at = time.monotonic()
+
+    def _wait(self, event: threading.Event) -> bool:
+        """Engine thread: waits for `event` while the load progresses; False once this wait has seen no progress
+        for stall_seconds, or the load ran out of time."""
+        waiting_since = time.monotonic()
+        while not event.is_set():
+            stalled_at = max(self.progress_at, waiting_since) + self.stall_seconds
+            remaining = min(self.deadline, stalled_at) - time.monotonic()
+            if remaining <= 0:
+                return False
+            event.wait(remaining)
+        return True
+
     def wait_layer(self, index: int) -> None:
         """On the engine's thread: returns once layer `index` is in the KV cache as the forward pass sees it
-        (on a CUDA device: its copy is queued and the compute stream waits for it), or past the deadline."""
-        self.events[index].wait(self.timeout)
+        (on a CUDA device: its copy is queued and the compute stream waits for it), or once the load is given
+        up (then join() reports it failed, and vLLM discards this pass's output for its requests)."""
+        if self.given_up:
+            return
+        if not self._wait(self.events[index]):
+            self._give_up()
+            return
         self.copies.wait_layer(index)
 
     def join(self) -> bool:
-        self.thread.join(self.timeout)
-        timed_out = self.thread.is_alive()
-        if timed_out:
-            # Past its deadline: it must not write into blocks vLLM may hand to other requests now.
-            with self.lock:
-                self.cancelled = True
-            if self.call is not None:
-                self.call.cancel()
+        """On the engine's thread, after the forward pass (or before it, loading not lazily): whether every
+        block is in the KV cache. Waits no longer than wait_layer would."""
+        if not self.given_up and not self._wait(self.finished):
+            self._give_up()
         self.copies.settle()  # copies already queued land before anything the engine does next
-        return not timed_out and self.ok
+        return not self.given_up and self.ok
+
+    def _give_up(self) -> None:
+        with self.lock:  # from here on the load's thread copies nothing into blocks vLLM may reuse
+            self.given_up = self.cancelled = True
+        stalled = time.monotonic() < self.deadline
+        if self.window is not None:
+            # The service may still write into this window once it is back: the next load takes a fresh one.
+            self.window.stale = True
+        call = self.call
+        if call is not None:
+            call.cancel()
+        why = (f"no progress for {self.stall_seconds:.1f}s" if stalled
+               else f"not done within its {self.timeout:.0f}s deadline")
+        logger.warning("prefix-KV offload: loading %d blocks from cache service %s stalled (%s); recomputing them",
+                       len(self.keys), self.client.backoff.address, why)
+        # The next steps should not wait on that service too: loads and saves skip it for a while.
+        self.client.backoff.failed("GetBlocks", TimeoutError(why), logged=True)
 
     def _run(self) -> None:
         try:
             self.ok = self._receive()
-            self.client.backoff.succeeded()
+            if self.ok:
+                self.client.backoff.succeeded()
         except grpc.RpcError as error:
             if error.code() == grpc.StatusCode.NOT_FOUND:  # evicted since the Lookup: the service is fine
                 logger.warning("prefix-KV offload: %s; recomputing %d blocks", error.details(), len(self.keys))
@@ -172,8 +227,12 @@ class LayerwiseLoad:
         finally:
             for event in self.events:
                 event.set()
+            self.finished.set()
 
     def _receive(self) -> bool:
+        if not self.client.backoff.ready():
+            # The service failed moments ago (a stall, an error): recompute rather than wait on it again.
+            return False
         copier = self.layout.copier
         # The load window is reused load after load (and replaced, unmapped, when too small): the service
         # must not write into it while an earlier load's copies may still read it.
@@ -182,7 +241,9 @@ class LayerwiseLoad:
             with self.client.load_window(self.size) as window:
                 if window is None:
                     break
+                self.window = window
                 copier.page_lock(window)
+                self._progressed()  # making and attaching a window is done; the bytes are due now
                 try:
                     return self._receive_into(window.tensor[:self.size], window)
                 except grpc.RpcError as error:
@@ -195,10 +256,12 @@ class LayerwiseLoad:
         """Streams the blocks into `staged` (segment-major), copying each layer out once complete."""
         ref = None if window is None else kv_cache_pb2.WindowRef(window_id=window.window_id, offset=0,
                                                                  length=self.size)
-        call = self.call = self.client.get_stream(self.keys, self.timeout, ref)
+        remaining = max(0.001, self.deadline - time.monotonic())
+        call = self.call = self.client.get_stream(self.keys, remaining, ref)
         if self.cancelled:
             call.cancel()
         first = next(call)
+        self._progressed()
         if first.WhichOneof("kind") != "headers":
             raise ValueError(f"GetBlocks began with {first.WhichOneof('kind') or 'an empty message'}, not the "
                              "blocks' headers")
@@ -213,6 +276,7 @@ class LayerwiseLoad:
         # Into a window the service sends only progress; without one, only bytes.
         expected = "block_bytes" if window is None else "segments_in_window"
         for message in call:
+            self._progressed()
             kind = message.WhichOneof("kind")
             if kind != expected:
                 raise ValueError(f"GetBlocks sent {kind or 'an empty message'} where {expected} was due")
@@ -231,6 +295,7 @@ class LayerwiseLoad:
                     self.copies.copy_layer(self.layers_done, staged[start:start + per_segment])
                 self.events[self.layers_done].set()
                 self.layers_done += 1
+                self._progressed()
         if self.layers_done != self.num_layers:
             raise ValueError(f"the stream ended after {self.layers_done} of {self.num_layers} layers")
         return self._checksums_match(view, [h.checksum for h in headers])
@@ -259,6 +324,7 @@ class LayerwiseLoad:
                 crc = zlib.crc32(view[at:at + segment_bytes], crc)
             if crc != expected:
                 raise ValueError(f"block {self.keys[index].hex()[:16]}... failed its checksum")
+            self._progressed()  # checksums of a large load take a while; the engine must not give up on them
         return True
 
 
