@@ -32,7 +32,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from taco_llm.protos import engine_pb2
-from taco_llm.protos.engine_limits import ENGINE_SERVICE, GRPC_MESSAGE_LIMIT
+from taco_llm.protos.engine_limits import ENGINE_SERVICE, GRPC_MESSAGE_LIMIT, KEEPALIVE_SERVER_OPTIONS
 from taco_llm.protos.rich_status import Reason, abort
 
 TOKEN_WIDTH = 4
@@ -225,6 +225,7 @@ async def serve(engine: SyntheticEngine, address: str) -> int:
         ("grpc.max_send_message_length", GRPC_MESSAGE_LIMIT),
         ("grpc.max_receive_message_length", GRPC_MESSAGE_LIMIT),
         ("grpc.so_reuseport", 0),
+        *KEEPALIVE_SERVER_OPTIONS,  # as the real worker: gateways ping it every 2 s
     ])
     server.add_generic_rpc_handlers((engine.handlers(),))
     health_service = health.aio.HealthServicer()

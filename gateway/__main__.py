@@ -118,6 +118,7 @@ def parse(argv: Sequence[str] | None) -> GatewaySettings:
         max_retries=args.max_retries,
         retry_backoff=args.retry_backoff,
         max_migrations=args.max_migrations,
+        stream_stall_timeout=args.stream_stall_timeout,
         cache_aware_balance_abs_threshold=args.cache_aware_balance_abs_threshold,
         cache_aware_balance_rel_threshold=args.cache_aware_balance_rel_threshold,
         cache_aware_offload_discount=args.cache_aware_offload_discount,
@@ -139,6 +140,9 @@ def _check_routing_args(parser: argparse.ArgumentParser, args: argparse.Namespac
         parser.error(f"--health-interval {args.health_interval} is not a positive number of seconds")
     if not math.isfinite(args.retry_backoff) or args.retry_backoff < 0:
         parser.error(f"--retry-backoff {args.retry_backoff} is not a number of seconds")
+    if not math.isfinite(args.stream_stall_timeout) or args.stream_stall_timeout < 0:
+        parser.error(f"--stream-stall-timeout {args.stream_stall_timeout} is not a number of seconds "
+                     "(0: no deadline)")
     if not math.isfinite(args.cache_aware_balance_rel_threshold) or args.cache_aware_balance_rel_threshold < 1:
         parser.error(f"--cache-aware-balance-rel-threshold {args.cache_aware_balance_rel_threshold} is "
                      "not a number of at least 1 (a ratio of the busiest worker's load to the idlest's)")

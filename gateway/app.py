@@ -17,6 +17,7 @@ from taco_llm.grpc_security import ClientTls
 from taco_llm.version import package_version
 
 from . import user_middleware
+from .args import DEFAULT_STREAM_STALL_TIMEOUT
 from .auth import ApiKeyMiddleware
 from .engine_pool import EnginePool
 from .errors import APIError, from_validation
@@ -56,6 +57,8 @@ class GatewaySettings:
     max_retries: int = 2
     retry_backoff: float = 0.05
     max_migrations: int = 2
+    # --stream-stall-timeout: seconds a stream waits on a worker that shows no progress (0: for ever).
+    stream_stall_timeout: float = DEFAULT_STREAM_STALL_TIMEOUT
     cache_aware_balance_abs_threshold: int = 16
     cache_aware_balance_rel_threshold: float = 1.5
     cache_aware_offload_discount: float = 0.75
@@ -126,7 +129,8 @@ def create_app(settings: GatewaySettings, pool: EnginePool | None = None) -> Fas
     app.state.pool = pool
 
     engines = EngineCalls(pool, max_retries=settings.max_retries, retry_backoff=settings.retry_backoff,
-                          max_migrations=settings.max_migrations)
+                          max_migrations=settings.max_migrations,
+                          stream_stall_timeout=settings.stream_stall_timeout)
     token_text = TokenText(as_token_ids=settings.return_tokens_as_token_ids)
     app.include_router(api_router(Servings(
         chat=ServingChat(engines, response_role=settings.response_role, token_text=token_text,

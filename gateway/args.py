@@ -84,6 +84,12 @@ TENANT_FLAGS: list[tuple[str, dict[str, object]]] = [
 
 
 ROUTING_POLICIES = ["cache_aware", "least_load", "round_robin"]
+# --stream-stall-timeout's default, seconds. It must outlast the longest single engine step, since a
+# worker's engine_stalled_ms grows through each step: 30 s is four times the longest step measured for the
+# default model on a loaded 2-core machine (6.5-6.9 s). A long prefill or a wait in the engine's queue is
+# many steps and never trips it (failover.py). A large model on a CPU, whose prefill chunks can take tens
+# of seconds each, needs it raised.
+DEFAULT_STREAM_STALL_TIMEOUT = 30.0
 
 # The fleet's flags: how the gateway finds its workers, routes to them, survives their failures, and
 # how many processes relay their streams. `taco_llm serve` takes the same ones and hands them on.
@@ -105,6 +111,13 @@ ROUTING_FLAGS: list[tuple[str, dict[str, object]]] = [
     ("--max-migrations", {"type": int, "default": 2,
                           "help": "times a stream under way is continued on another worker when its worker "
                                   "fails (default: 2; 0: never)"}),
+    ("--stream-stall-timeout", {"type": float, "default": DEFAULT_STREAM_STALL_TIMEOUT, "metavar": "SECONDS",
+                                "help": "a stream that has waited this long for its worker's next message "
+                                        "(its first included), from a worker that shows no progress (no "
+                                        "message on another stream, and no recent GetLoad report with "
+                                        "engine_stalled_ms below it), is cancelled and retried or migrated "
+                                        "as a worker fault "
+                                        f"(default: {DEFAULT_STREAM_STALL_TIMEOUT:g}; 0: wait for ever)"}),
     ("--cache-aware-balance-abs-threshold", {"type": int, "default": 16,
                                              "help": "cache_aware routes by load alone while the busiest and "
                                                      "the idlest worker differ by more than this many "

@@ -8,8 +8,10 @@ States and invariant:
 - OPEN: no request is routed until `opened_at + cooldown`; then the breaker reads as HALF_OPEN.
 - HALF_OPEN: one trial request at a time (`trial_since` is set while it is out); its success closes the
   breaker and resets the cool-down to `base_cooldown`, its failure reopens it with the cool-down doubled
-  (never above `max_cooldown`). A trial whose outcome never comes back (its caller vanished) frees its
-  slot after `trial_timeout`, so the breaker cannot stay shut forever.
+  (never above `max_cooldown`). A trial whose request ends with no outcome (its client left, or its
+  stream was closed before the worker answered) gives its slot back at once (`abandon`); one whose
+  outcome never comes back at all (its caller vanished) frees it after `trial_timeout`, so the breaker
+  cannot stay shut forever.
 `base_cooldown <= cooldown <= max_cooldown` always holds.
 
 Only worker faults are fed in as failures: the caller decides what a fault is (failover.is_worker_fault), and
@@ -44,6 +46,8 @@ class CircuitBreaker:
     cooldown: float = 0.0
     opened_at: float | None = None
     trial_since: float | None = None
+    # Trials sent so far: the one out while `trial_since` is set is number `trials`.
+    trials: int = 0
 
     def __post_init__(self) -> None:
         if self.threshold < 1 or self.base_cooldown <= 0 or self.max_cooldown < self.base_cooldown:
@@ -70,6 +74,20 @@ class CircuitBreaker:
         """A request was sent: in half-open it is the trial."""
         if self.state(now) is BreakerState.HALF_OPEN:
             self.trial_since = now
+            self.trials += 1
+
+    def trial_out(self) -> int | None:
+        """The number of the trial request out now, None if none. Read right after routing a request to
+        this worker (with no await between), it says whether that request is the trial: a breaker lets a
+        request through while a trial is out only by making it the new trial."""
+        return self.trials if self.trial_since is not None else None
+
+    def abandon(self, trial: int) -> None:
+        """Trial `trial` ended with no outcome (its client left, or its stream was closed before the worker
+        answered): its slot is free for the next request at once, not after `trial_timeout`. A later
+        trial (this one timed out and was replaced) keeps its slot."""
+        if self.trial_since is not None and self.trials == trial:
+            self.trial_since = None
 
     def record(self, now: float, *, worker_fault: bool) -> BreakerState:
         """Feeds one request's outcome; returns the state after it."""

@@ -1,8 +1,12 @@
 """Workers found in the Redis registry (protos/registry.proto): the gateway lists the records every
-LIST_INTERVAL_SECONDS and hands the pool the addresses registered now; the pool adds and removes members.
+LIST_INTERVAL_SECONDS and hands the pool the records registered now, by worker (one per worker
+process: its worker_id); the pool adds and removes members.
 
 Records are only read here. While Redis cannot be reached the pool keeps its members (a registry outage
-must not empty a healthy fleet): the outage is logged once, and listing goes on until Redis answers.
+must not empty a healthy fleet): the outage is logged once, and listing goes on until Redis answers. A
+Redis that answers but has lost the keys (restarted without persistence, flushed, failed over to a
+lagging replica) is no different to the pool than keys that expired: it keeps a missing member for its
+record's TTL (engine_pool.py), by which time a live worker has written its key again.
 """
 
 from __future__ import annotations
@@ -62,7 +66,8 @@ class Registry:
         self._bad_keys: set[bytes] = set()
 
     async def list_workers(self) -> dict[str, registry_pb2.WorkerRecord]:
-        """The records registered now, by address; raises RegistryUnavailable when Redis does not answer."""
+        """The records registered now, by worker_id (the key's own suffix for a record without one);
+        raises RegistryUnavailable when Redis does not answer."""
         try:
             keys = [key async for key in self._redis.scan_iter(match=f"{self.prefix}*", count=1000)]
             values = await self._redis.mget(keys) if keys else []
@@ -82,7 +87,9 @@ class Registry:
                     self._bad_keys.add(key)
                     logger.warning("registry key %r holds no WorkerRecord with an address; ignored", key)
                 continue
-            records[record.address] = record
+            if not record.worker_id:
+                record.worker_id = key[len(self.prefix.encode()):].decode(errors="replace")
+            records[record.worker_id] = record
         return records
 
     async def close(self) -> None:

@@ -8,9 +8,22 @@ deadline. A refused connection or NOT_SERVING takes a worker out of rotation at 
 late is not dropped. With the defaults (0.5 s, 0.75 s deadline) a dead or cut-off worker is out within
 2 s. ModelInfo is read again whenever a worker becomes ready: it may have restarted with other settings.
 
-A member that leaves (its registry key gone) stops being routed to at once; its channel is closed only
-once the streams the gateway has on it have ended: a key that expires must not cut a running stream (a
+A registered member is one worker process: its record's worker_id (an incarnation of its instance).
+It leaves the pool when its key has been missing from the listings for the record's TTL: a Redis that
+answers but lost its keys (restarted empty, flushed, a lagging replica) must not empty the fleet, nor
+reset breakers and cache affinity; the workers write their keys again within a third of the TTL. A
+draining worker stops getting requests at once all the same: its health says NOT_SERVING. A record of
+the same instance (or, for records without one, at the same address) that started later replaces a
+member at once: its process is gone, and a restarted container at a new address must not be dialed at
+the old one (NVIDIA Dynamo's gateway did, keying workers by name alone). The new incarnation is a new
+member even at the same address: a fresh breaker, no cache affinity. A member that leaves stops being
+routed to at once; its channel is closed only once the streams the gateway has on it have ended (a
 worker that really died fails its streams by itself).
+
+Cache affinity (routing.py) is forgotten only where the cache really went: a worker that answers with
+another ModelInfo.created (it restarted), a new member, and a shared cache service that reports a new
+incarnation (Load.prefix_cache_incarnation: it restarted, empty). A busy worker that misses two health
+deadlines and comes back keeps its affinity: its KV cache is still warm.
 """
 
 from __future__ import annotations
@@ -29,8 +42,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from taco_llm.grpc_security import ClientTls, aio_channel
 from taco_llm.protos import engine_pb2, engine_pb2_grpc, registry_pb2
-from taco_llm.protos.engine_limits import ENGINE_SERVICE, GRPC_MESSAGE_LIMIT
-from taco_llm.protos.registry_keys import LIST_INTERVAL_SECONDS
+from taco_llm.protos.engine_limits import ENGINE_SERVICE, GRPC_MESSAGE_LIMIT, KEEPALIVE_CLIENT_OPTIONS
+from taco_llm.protos.registry_keys import DEFAULT_TTL_SECONDS, HEARTBEATS_PER_TTL, LIST_INTERVAL_SECONDS
 
 from . import discovery
 from .circuit_breaker import BreakerState, CircuitBreaker
@@ -47,8 +60,8 @@ T = TypeVar("T")
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", GRPC_MESSAGE_LIMIT),
     ("grpc.max_receive_message_length", GRPC_MESSAGE_LIMIT),
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.http2.max_pings_without_data", 0),
+    # HTTP/2 pings find a worker cut off by the network within 5 s (engine_limits says how).
+    *KEEPALIVE_CLIENT_OPTIONS,
     # gRPC's default reconnect backoff grows to 120 s; a worker that is starting or restarting should
     # be found within a couple of seconds.
     ("grpc.initial_reconnect_backoff_ms", 250),
@@ -58,11 +71,40 @@ GRPC_OPTIONS = [
 # Two misses in a row at this deadline, after at most one interval, fit in 2 s at the default interval.
 HEALTH_DEADLINE_SECONDS = 0.75
 MISSED_CHECKS_BEFORE_UNREADY = 2
+# The least time a worker's last GetLoad answer is taken to speak for it (EnginePool.recent_report).
+REPORT_FRESH_SECONDS = 5.0
 # A full KV cache weighs as this many queued requests: the worker is about to queue or preempt.
 KV_CACHE_WEIGHT = 2.0
 # How often a leaving member is looked at, until its last stream has ended.
 _RETIRE_POLL_SECONDS = 0.2
 _LOAD_KINDS = ("running", "waiting", "kv_cache_usage", "gateway_streams")
+# Cache-service incarnations remembered per service: a worker that has not read the new one yet reports
+# an old one, which must not count as yet another restart.
+_INCARNATIONS_KEPT = 16
+
+
+def _same_worker(a: registry_pb2.WorkerRecord, b: registry_pb2.WorkerRecord) -> bool:
+    """Whether two records are incarnations of one worker: one instance, or one address where either
+    names no instance."""
+    if a.instance and b.instance:
+        return a.instance == b.instance
+    return a.address == b.address
+
+
+def _started(record: registry_pb2.WorkerRecord) -> tuple[int, int, str]:
+    """The order of a worker's incarnations: by start, then by heartbeat, then by id (any order, but one)."""
+    return record.started_unix_ms, record.heartbeat_unix_ms, record.worker_id
+
+
+def _replaces(newer: registry_pb2.WorkerRecord, older: registry_pb2.WorkerRecord) -> bool:
+    """Whether `newer` is a later incarnation of the worker `older` was: the same worker (_same_worker),
+    started after it, once `older` had stopped heartbeating (a beat's slack for the hosts' clocks). Two
+    processes that both still heartbeat are two workers, whatever their instance names say: a name given
+    to several replicas by mistake must not shrink the fleet to one."""
+    if newer.worker_id == older.worker_id or not _same_worker(newer, older) or _started(newer) <= _started(older):
+        return False
+    beat_ms = (older.ttl_ms or DEFAULT_TTL_SECONDS * 1000) / HEARTBEATS_PER_TTL
+    return older.heartbeat_unix_ms <= newer.started_unix_ms + beat_ms
 
 
 async def _outcome(call: Awaitable[T]) -> T | grpc.aio.AioRpcError:
@@ -80,6 +122,9 @@ class EngineClient:
     channel: grpc.aio.Channel
     stub: engine_pb2_grpc.EngineStub
     health: health_pb2_grpc.HealthStub
+    # Who it is, for membership and cache affinity: its worker_id for a registered worker (one process),
+    # its address for an --engine one. The address stays the name logs and /metrics show.
+    member_id: str = ""
     # Kept while the worker is not ready, so that its streams under way can still read it; read again
     # when it becomes ready.
     info: engine_pb2.ModelInfo | None = None
@@ -100,15 +145,39 @@ class EngineClient:
     # since would keep a finished request on the books until the next GetLoad: one worker then looks
     # busy for a whole interval after each short request, and a prefix would hop between workers.)
     in_flight_at_report: int = 0
+    # When (time.monotonic) `reported` arrived: a report goes stale when the worker stops answering GetLoad
+    # (cut off, or its whole process frozen), while health may fail for other reasons (a drain, a busy
+    # worker's late checks) with the engine still stepping.
+    reported_at: float | None = field(default=None, repr=False)
+    # A registered worker's record, as last listed.
+    record: registry_pb2.WorkerRecord | None = field(default=None, repr=False)
+    # When (pool clock) its key was first missed from the listings in a row; None while it is listed.
+    absent_since: float | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.member_id = self.member_id or self.address
 
     @classmethod
     def connect(cls, address: str, metadata: tuple[tuple[str, str], ...] = (), *, static: bool = True,
-                breaker: CircuitBreaker | None = None, tls: ClientTls | None = None) -> EngineClient:
+                breaker: CircuitBreaker | None = None, tls: ClientTls | None = None,
+                record: registry_pb2.WorkerRecord | None = None) -> EngineClient:
         # One channel for the requests, the health checks and GetLoad: a worker that requires client
         # certificates gets them on each. With TLS the worker's certificate must name `address`.
         channel = aio_channel(address, tls, GRPC_OPTIONS)
         return cls(address, channel, engine_pb2_grpc.EngineStub(channel), health_pb2_grpc.HealthStub(channel),
-                   metadata=metadata, static=static, breaker=breaker or CircuitBreaker())
+                   member_id=record.worker_id if record is not None else address, metadata=metadata,
+                   static=static, breaker=breaker or CircuitBreaker(), record=record)
+
+    @property
+    def absence_limit(self) -> float:
+        """Seconds its key may be missing before it leaves: its record's TTL."""
+        ttl_ms = self.record.ttl_ms if self.record is not None else 0
+        return ttl_ms / 1000 if ttl_ms else DEFAULT_TTL_SECONDS
+
+    def superseded_by(self, record: registry_pb2.WorkerRecord) -> bool:
+        """Whether `record` is a later incarnation of this registered worker: another process of its
+        instance, or (where either names no instance) at its address, started after it."""
+        return self.record is not None and _replaces(record, self.record)
 
     def serves(self, model: str) -> bool:
         return self.info is not None and model in self.info.served_model_names
@@ -152,6 +221,7 @@ class EngineClient:
                 self.last_error = health_pb2.HealthCheckResponse.ServingStatus.Name(check.status)
         if isinstance(load, engine_pb2.Load):
             self.reported = load
+            self.reported_at = time.monotonic()
             self.in_flight_at_report = in_flight_before
         elif isinstance(load, grpc.aio.AioRpcError) and load.code() == grpc.StatusCode.UNIMPLEMENTED:
             self.reported = None
@@ -203,6 +273,11 @@ class EnginePool:
         self._watchers: dict[EngineClient, asyncio.Task[None]] = {}
         self._retiring: dict[EngineClient, asyncio.Task[None]] = {}
         self._discovery: asyncio.Task[None] | None = None
+        # Instance names that several live workers register under (logged once, while it lasts).
+        self._shared_instances: set[str] = set()
+        # Per shared cache service (ModelInfo.prefix_cache_service): the incarnations workers reported,
+        # oldest first (a dict for its order).
+        self._cache_incarnations: dict[str, dict[str, None]] = {}
 
     # -- life --------------------------------------------------------------------------------------
 
@@ -244,37 +319,109 @@ class EnginePool:
     # -- membership --------------------------------------------------------------------------------
 
     def apply_registry(self, records: Mapping[str, registry_pb2.WorkerRecord]) -> None:
-        """The registry's listing: new addresses join, registered members whose key is gone leave."""
-        present = {c.address for c in self.clients}
-        for address in records:
-            if address not in present:
-                client = self._connect(address, static=False)
-                self.clients.append(client)
-                logger.info("engine %s registered: joining the pool", address)
-                if self._discovery is not None:  # during start(), start() watches it
-                    self._start_watch(client)
+        """The registry's listing, by worker_id: new workers join; a member re-dials its worker at a new
+        address; a member replaced by a later incarnation leaves at once, one whose key is missing
+        leaves once it has been missing for its record's TTL."""
+        now = self.clock()
+        static_addresses = {c.address for c in self.clients if c.static}
+        # An --engine member already dials that address: a record of it would count the worker twice.
+        listed = [r for r in records.values() if r.address not in static_addresses]
+        # Of several incarnations of one worker listed at once (a killed one's key outlives it), the latest.
+        current = {r.worker_id: r for r in listed if not any(_replaces(other, r) for other in listed)}
+        self._warn_of_shared_instances(current.values())
+        members = {c.member_id: c for c in self.clients if not c.static}
+        for member_id, record in current.items():
+            client = members.get(member_id)
+            if client is None:
+                self._join(record)
+            elif client.address != record.address:
+                self._redial(client, record)
+            else:
+                if client.absent_since is not None:
+                    logger.info("engine %s is registered again after %.1f s away: kept, with its breaker and "
+                                "cache affinity", client.address, now - client.absent_since)
+                client.record = record
+                client.absent_since = None
         for client in list(self.clients):
-            if not client.static and client.address not in records:
-                self._leave(client)
+            if client.static or client.member_id in current:
+                continue
+            successor = next((r for r in current.values() if client.superseded_by(r)), None)
+            if successor is not None:
+                self._leave(client, f"replaced by a later incarnation ({successor.worker_id} at {successor.address})")
+                continue
+            if client.absent_since is None:
+                client.absent_since = now
+                logger.info("engine %s: its registry key is gone; it leaves the pool unless registered again "
+                            "within %.1f s", client.address, client.absence_limit)
+            elif now - client.absent_since >= client.absence_limit:
+                self._leave(client, f"its registry key has been gone for {now - client.absent_since:.1f} s")
 
-    def _connect(self, address: str, *, static: bool) -> EngineClient:
+    def _warn_of_shared_instances(self, records: Collection[registry_pb2.WorkerRecord]) -> None:
+        by_instance: dict[str, list[str]] = {}
+        for record in records:
+            if record.instance:
+                by_instance.setdefault(record.instance, []).append(record.address)
+        for instance, addresses in by_instance.items():
+            if len(addresses) > 1 and instance not in self._shared_instances:
+                logger.error("workers at %s all register as instance %r (TACO_LLM_INSTANCE or host name and "
+                             "port): each is kept, but a restart of one cannot be told from the others; give each "
+                             "its own", ", ".join(sorted(addresses)), instance)
+        self._shared_instances = {i for i, a in by_instance.items() if len(a) > 1}
+
+    def _join(self, record: registry_pb2.WorkerRecord) -> EngineClient:
+        client = self._connect(record.address, static=False, record=record)
+        self.clients.append(client)
+        logger.info("engine %s registered (%s, instance %s): joining the pool", record.address, record.worker_id,
+                    record.instance or "unnamed")
+        if self._discovery is not None:  # during start(), start() watches it
+            self._start_watch(client)
+        return client
+
+    def _redial(self, client: EngineClient, record: registry_pb2.WorkerRecord) -> None:
+        """The same worker process at a new address: dialed there from now on, with its breaker and
+        cache affinity (its KV cache went with it)."""
+        old_address = client.address
+        self._retire_client(client)
+        moved = self._connect(record.address, static=False, record=record)
+        moved.breaker = client.breaker
+        moved.info = client.info
+        self.clients.append(moved)
+        logger.info("engine %s now registers at %s: dialing it there", old_address, record.address)
+        if self._discovery is not None:
+            self._start_watch(moved)
+
+    def recent_report(self, client: EngineClient) -> engine_pb2.Load | None:
+        """The worker's last Load report if it is recent enough to speak for the worker now: a few health
+        intervals, so that a busy worker's late answers still count, and one that stopped answering (cut
+        off, frozen whole) does not for long."""
+        if client.reported is None or client.reported_at is None:
+            return None
+        fresh_for = max(REPORT_FRESH_SECONDS, 4 * self.health_interval + HEALTH_DEADLINE_SECONDS)
+        return client.reported if time.monotonic() - client.reported_at <= fresh_for else None
+
+    def _connect(self, address: str, *, static: bool, record: registry_pb2.WorkerRecord | None = None
+                 ) -> EngineClient:
         return EngineClient.connect(address, self.metadata, static=static, breaker=self.breaker_factory(),
-                                    tls=self.tls)
+                                    tls=self.tls, record=record)
 
     def _start_watch(self, client: EngineClient) -> None:
         if client not in self._watchers:
             self._watchers[client] = asyncio.create_task(self._watch(client), name=f"engine-health {client.address}")
 
-    def _leave(self, client: EngineClient) -> None:
-        logger.info("engine %s left the registry: out of the pool (%d streams left to finish)",
-                    client.address, client.in_flight)
+    def _leave(self, client: EngineClient, why: str) -> None:
+        logger.info("engine %s left the pool: %s (%d streams left to finish)", client.address, why, client.in_flight)
+        self.policy.forget(client.member_id)
+        self._retire_client(client)
+
+    def _retire_client(self, client: EngineClient) -> None:
+        """Out of the pool and its health watch; its channel closes once its streams have ended."""
         self.clients.remove(client)
         client.ready = False
-        self.policy.forget(client.address)
         watcher = self._watchers.pop(client, None)
         if watcher is not None:
             watcher.cancel()
-        self._drop_metrics(client.address)
+        if not any(c.address == client.address for c in self.clients):
+            self._drop_metrics(client.address)
         self._retiring[client] = asyncio.create_task(self._retire(client), name=f"engine-retire {client.address}")
 
     async def _retire(self, client: EngineClient) -> None:
@@ -302,19 +449,51 @@ class EnginePool:
     async def _poll(self, client: EngineClient) -> None:
         was_ready = client.ready
         error_before = client.last_error
+        info_before = client.info
         await client.poll(HEALTH_DEADLINE_SECONDS)
         if client not in self.clients:  # it left while the check was out
             return
         if client.ready and not was_ready:
-            # Perhaps restarted: whatever the index says it held is gone.
-            self.policy.forget(client.address)
             assert client.info is not None
+            restarted = info_before is not None and info_before.created != client.info.created
+            if restarted and client.absent_since is not None:
+                # A registered worker whose key is gone, answering again as another process: its address
+                # now belongs to someone else (a reused IP), who registers under its own record.
+                self._leave(client, "its address answers as another process while its registry key is gone")
+                return
+            if restarted:
+                # Restarted: whatever the index says it held is gone. (Unready and back with the same
+                # engine, after missed deadlines say, its cache is as warm as it was.)
+                self.policy.forget(client.member_id)
+                logger.info("engine %s restarted: its cache affinity is forgotten", client.address)
             logger.info("engine %s is ready (%s)", client.address, ", ".join(client.info.served_model_names))
         elif not client.ready and (was_ready or client.last_error not in ("", error_before)):
             # Clients are told only that no worker is ready; the operator reads why here (a worker that
             # refuses the gateway's key, say), once per change.
             logger.warning("engine %s is not ready: %s", client.address, client.why_not_ready())
+        self._note_cache_incarnation(client)
         self._publish(client)
+
+    def _note_cache_incarnation(self, client: EngineClient) -> None:
+        """Forgets the shared index of a cache service that reports a new incarnation: it restarted empty.
+        The first one heard is only remembered (this gateway knew nothing of it before), and an old one,
+        from a worker that has not read the new one yet, is no news."""
+        group = client.cache_group
+        incarnation = client.reported.prefix_cache_incarnation if client.reported is not None else ""
+        if not group or not incarnation:
+            return
+        seen = self._cache_incarnations.get(group)
+        if seen is None:
+            self._cache_incarnations[group] = {incarnation: None}
+            return
+        if incarnation in seen:
+            return
+        seen[incarnation] = None
+        while len(seen) > _INCARNATIONS_KEPT:
+            del seen[next(iter(seen))]
+        self.policy.forget_cache_group(group)
+        logger.info("cache service %s restarted (incarnation %s, reported by engine %s): its shared cache "
+                    "affinity is forgotten", group, incarnation, client.address)
 
     def _publish(self, client: EngineClient) -> None:
         address = client.address

@@ -7,11 +7,13 @@ requests through, not already tried by this request. A policy only orders the el
 - least_load: the lowest load, as RoutingTarget.load defines it (the worker's running and waiting
   requests from GetLoad, the streams this gateway started since, and a KV-cache term); ties at random.
 - cache_aware: load minus a credit for the share of the prompt's leading chunks the worker is believed
-  to hold (prefix_index.py), unless the fleet is imbalanced, when load alone decides (SGLang's rule:
+  to hold (prefix_index.py, one per member: a registered worker's process, an --engine worker's
+  address), unless the fleet is imbalanced, when load alone decides (SGLang's rule:
   max - min > the absolute threshold and max > the relative threshold x min). Workers that offload to
   the same cache service (ModelInfo.prefix_cache_service) share one more index: a prefix any of them was
   sent is warm on all of them, at --cache-aware-offload-discount of a local hit, since the worker
-  fetches those blocks from host memory instead of recomputing them.
+  fetches those blocks from host memory instead of recomputing them. The pool has a worker's index
+  forgotten when it leaves or restarts, and a service's when it restarts empty (engine_pool.py).
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ class RoutingTarget(Protocol):
     def address(self) -> str: ...
 
     @property
+    def member_id(self) -> str: ...  # who it is: its cache affinity is kept under this name
+
+    @property
     def load(self) -> float: ...
 
     @property
@@ -92,9 +97,13 @@ class Policy(abc.ABC):
     def choose(self, candidates: Sequence[T], *, model: str, key: RouteKey) -> Choice[T]:
         """One of `candidates` (never empty); `model` is the name routed on, the default resolved."""
 
-    def forget(self, address: str) -> None:
+    def forget(self, member_id: str) -> None:
         """The worker left, or restarted with a cold cache: only cache_aware remembers workers."""
-        del address
+        del member_id
+
+    def forget_cache_group(self, service: str) -> None:
+        """The shared cache service restarted, empty: only cache_aware remembers what it held."""
+        del service
 
     def least_loaded(self, candidates: Sequence[RoutingTarget]) -> int:
         """The index of the least-loaded candidate, ties broken at random."""
@@ -140,9 +149,12 @@ class CacheAware(Policy):
         # One index per cache service, shared by every worker that offloads to it.
         self._services: dict[str, PrefixIndex] = {}
 
-    def forget(self, address: str) -> None:
+    def forget(self, member_id: str) -> None:
         # A cache service's index stays: the service keeps its blocks when one of its workers goes.
-        self._workers.pop(address, None)
+        self._workers.pop(member_id, None)
+
+    def forget_cache_group(self, service: str) -> None:
+        self._services.pop(service, None)
 
     def imbalanced(self, loads: Sequence[float]) -> bool:
         high, low = max(loads), min(loads)
@@ -150,7 +162,7 @@ class CacheAware(Policy):
 
     def choose(self, candidates: Sequence[T], *, model: str, key: RouteKey) -> Choice[T]:
         hashes = chunk_hashes(tenant_of(model, key.cache_salt), key.prefix_text)
-        own = [self._worker_index(c.address).match(hashes) for c in candidates]
+        own = [self._worker_index(c.member_id).match(hashes) for c in candidates]
         shared = [self._service_index(c.cache_group).match(hashes) if c.cache_group else 0 for c in candidates]
         warm = [max(float(o), self.offload_discount * s) for o, s in zip(own, shared, strict=True)]
         matches = [w / len(hashes) if hashes else 0.0 for w in warm]
@@ -166,8 +178,8 @@ class CacheAware(Policy):
             # Among equals, the worker believed to hold the least (as SGLang sends a prefix no worker
             # has to its smallest tree): new prefixes spread over the fleet's caches instead of piling
             # onto one worker until the balance rule notices.
-            smallest = min(len(self._worker_index(candidates[i].address)) for i in tied)
-            index = self.rng.choice([i for i in tied if len(self._worker_index(candidates[i].address)) == smallest])
+            smallest = min(len(self._worker_index(candidates[i].member_id)) for i in tied)
+            index = self.rng.choice([i for i in tied if len(self._worker_index(candidates[i].member_id)) == smallest])
             if warm[index] == 0:
                 reason = "least_load" if any(warm) else "no_match"
             elif own[index] >= self.offload_discount * shared[index]:
@@ -176,7 +188,7 @@ class CacheAware(Policy):
                 reason = "shared_cache"
 
         chosen = candidates[index]
-        self._worker_index(chosen.address).insert(hashes)
+        self._worker_index(chosen.member_id).insert(hashes)
         if chosen.cache_group:
             self._service_index(chosen.cache_group).insert(hashes)
         if hashes:
@@ -185,10 +197,10 @@ class CacheAware(Policy):
             PREFIX_HIT_CHUNKS.labels("shared_cache").inc(max(0, shared[index] - own[index]))
         return Choice(chosen, reason, matches[index])
 
-    def _worker_index(self, address: str) -> PrefixIndex:
-        index = self._workers.get(address)
+    def _worker_index(self, member_id: str) -> PrefixIndex:
+        index = self._workers.get(member_id)
         if index is None:
-            index = self._workers[address] = PrefixIndex(self.capacity)
+            index = self._workers[member_id] = PrefixIndex(self.capacity)
         return index
 
     def _service_index(self, service: str) -> PrefixIndex:

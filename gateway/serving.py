@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 
 from taco_llm.protos import engine_pb2
 
+from .args import DEFAULT_STREAM_STALL_TIMEOUT
 from .engine_pool import EngineClient, EnginePool
 from .errors import from_grpc
 from .failover import EngineStream, FailoverPolicy
@@ -28,10 +29,13 @@ class EngineCalls:
     metadata (the workers' API key)."""
 
     def __init__(self, pool: EnginePool, *, max_retries: int = 2, retry_backoff: float = 0.05,
-                 max_migrations: int = 2) -> None:
+                 max_migrations: int = 2, stream_stall_timeout: float = DEFAULT_STREAM_STALL_TIMEOUT) -> None:
         self.pool = pool
         self.policy = FailoverPolicy(max_retries=max_retries, retry_backoff=retry_backoff,
-                                     max_migrations=max_migrations)
+                                     max_migrations=max_migrations, stream_stall_timeout=stream_stall_timeout)
+        # Worker address -> when a stream last had a message from it: the stall deadline's sign that a
+        # quiet stream's worker is busy, not stuck (failover.py).
+        self.progress: dict[str, float] = {}
 
     async def generate(self, request: engine_pb2.GenerateRequest, param_names: Mapping[str, str],
                        route_key: RouteKey, *, arrival: float | None = None) -> EngineStream:
@@ -41,7 +45,8 @@ class EngineCalls:
         arrived (time.perf_counter), for the time-to-first-token metric; default now."""
         return await EngineStream.open(self.pool, self.policy, request, param_names=param_names,
                                        route_key=route_key,
-                                       arrival=time.perf_counter() if arrival is None else arrival)
+                                       arrival=time.perf_counter() if arrival is None else arrival,
+                                       progress=self.progress)
 
     async def tokenize(self, request: engine_pb2.TokenizeRequest,
                        param_names: Mapping[str, str]) -> engine_pb2.TokenizeResponse:

@@ -54,8 +54,12 @@ class ServingChat:
         engine_request = to_engine.chat_request(body, request_id)
         route_key = RouteKey(model=body.model, prefix_text=_prefix_text(body.messages),
                              cache_salt=body.cache_salt or "")
-        stream = await self.engines.generate(engine_request, to_engine.request_params(to_engine.CHAT_PARAMS, body),
-                                             route_key, arrival=arrival)
+        # The first message comes after the prefill, and the request may wait in the engine's queue before
+        # it: a client that leaves meanwhile cancels it there, rather than having it prefilled for nobody.
+        stream = await unless_disconnected(request, self.engines.generate(
+            engine_request, to_engine.request_params(to_engine.CHAT_PARAMS, body), route_key, arrival=arrival))
+        if isinstance(stream, JSONResponse):
+            return stream
         include_usage, continuous_usage = usage_options(body.stream_options)
         context = RequestContext(
             request_id=request_id, model=stream.model_name, created=int(time.time()),
@@ -178,7 +182,11 @@ class ServingChat:
             return f'{{"index":{last.index},"delta":{delta_json},"logprobs":{shown},"finish_reason":null}}'
         content = _chat_delta(last) if len(run) == 1 else _merged_delta(run)
         logprobs = _run_logprobs(run)
-        if not content and not last.finish_reason and not logprobs:
+        # A delta that shows no text yet (part of a character, tool-call markup held back) still carries
+        # its token ids: sent with an empty delta, as vLLM's server does, or the client's ids would not add
+        # up to the answer's.
+        if (not content and not last.finish_reason and not logprobs
+                and not (return_token_ids and any(d.token_ids for d in run))):
             return None
         choice: dict[str, Any] = {
             "index": last.index,

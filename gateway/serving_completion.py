@@ -63,7 +63,11 @@ class ServingCompletion:
         if body.echo and body.logprobs is not None:
             raise bad_request("echo together with logprobs is not supported", "echo")
         request_id = f"cmpl-{body.request_id or uuid.uuid4().hex}"
-        batch = await self._open(body, request_id, arrival)
+        # Each prompt's first message comes after its prefill (see ServingChat.create): a client that leaves
+        # before then cancels them in the engine's queue.
+        batch = await unless_disconnected(request, self._open(body, request_id, arrival))
+        if isinstance(batch, JSONResponse):
+            return batch
         include_usage, _ = usage_options(body.stream_options)
         context = RequestContext(
             request_id=request_id, model=batch[0].stream.model_name, created=int(time.time()),
@@ -86,11 +90,19 @@ class ServingCompletion:
             to_engine.completion_request(body, p, f"{request_id}-{i}" if len(prompts) > 1 else request_id)
             for i, p in enumerate(prompts)
         ]
-        opened = await asyncio.gather(
-            *(self.engines.generate(r, param_names, _route_key(body, p), arrival=arrival)
-              for r, p in zip(engine_requests, prompts, strict=True)),
-            return_exceptions=True,
-        )
+        opening = [asyncio.ensure_future(self.engines.generate(r, param_names, _route_key(body, p), arrival=arrival))
+                   for r, p in zip(engine_requests, prompts, strict=True)]
+        try:
+            opened = await asyncio.gather(*opening, return_exceptions=True)
+        except BaseException:
+            # Cancelled (the client left while they waited in the engine's queue): the streams that had
+            # opened are closed too, and those still opening cancelled.
+            for task in opening:
+                if task.done() and not task.cancelled() and task.exception() is None:
+                    task.result().close()
+                else:
+                    task.cancel()
+            raise
         streams = [s for s in opened if isinstance(s, EngineStream)]
         try:
             for s in opened:

@@ -1,5 +1,7 @@
-"""The gateway's pool membership: workers registered in a real Redis join and leave it, and health checks
-take dead, cut-off and NOT_SERVING workers out of rotation in time.
+"""The gateway's pool membership: workers registered in a real Redis (by the worker's own Registrar) join
+and leave it, an emptied registry does not empty the fleet, a restarted worker is a new member, health
+checks take dead, cut-off and NOT_SERVING workers out of rotation in time, and cache affinity is
+forgotten only where the cache went.
 
 The workers are tiny in-process gRPC servers with just Health and Engine.GetModelInfo/GetLoad: this
 tests the gateway's membership, not the engine.
@@ -8,6 +10,7 @@ tests the gateway's membership, not the engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import subprocess
 import time
@@ -19,10 +22,12 @@ import pytest
 import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from taco_llm.engine_worker.frontend.registry import Registrar
 from taco_llm.gateway.engine_pool import EngineClient, EnginePool
 from taco_llm.gateway.metrics import REGISTRY
+from taco_llm.gateway.prefix_index import CHUNK_CHARS
+from taco_llm.gateway.routing import RouteKey
 from taco_llm.protos import engine_pb2, engine_pb2_grpc, registry_pb2
-from taco_llm.protos.registry_keys import REGISTRY_KEY_PREFIX
 
 from .support import free_port
 
@@ -31,8 +36,11 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 # The brief's bounds, with room for a loaded test machine.
 JOIN_WITHIN = 2.0
-LEAVE_WITHIN = 2.0
 OUT_OF_ROTATION_WITHIN = 2.0
+# Registered workers' --registry-ttl here: short, so that expiry and absence are seen quickly.
+TTL = 1.5
+# A key gone (deleted, or expired) is missed for a TTL before its member leaves; then a listing.
+LEAVE_WITHIN = TTL + 2.0
 
 
 class Freezer:
@@ -47,15 +55,20 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
     def __init__(self, name: str, freezer: Freezer) -> None:
         self.name = name
         self.freezer = freezer
+        self.created = 1_700_000_000  # ModelInfo.created: a restarted engine has another
+        self.cache_service = ""       # ModelInfo.prefix_cache_service
+        self.cache_incarnation = ""   # Load.prefix_cache_incarnation
 
     async def GetModelInfo(self, request: engine_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> engine_pb2.ModelInfo:
         await self.freezer.thawed.wait()
-        return engine_pb2.ModelInfo(served_model_names=[self.name], max_model_len=2048)
+        return engine_pb2.ModelInfo(served_model_names=[self.name], max_model_len=2048, created=self.created,
+                                    prefix_cache_service=self.cache_service)
 
     async def GetLoad(self, request: engine_pb2.GetLoadRequest, context: grpc.aio.ServicerContext) -> engine_pb2.Load:
         await self.freezer.thawed.wait()
-        return engine_pb2.Load(num_running_requests=1, kv_cache_usage=0.25)
+        return engine_pb2.Load(num_running_requests=1, kv_cache_usage=0.25,
+                               prefix_cache_incarnation=self.cache_incarnation)
 
 
 class FakeHealth(health_pb2_grpc.HealthServicer):
@@ -127,12 +140,49 @@ async def workers() -> AsyncIterator[list[Worker]]:
         await worker.stop()
 
 
-async def _register(registry: aioredis.Redis, worker: Worker, *, ttl_ms: int = 6000) -> str:
-    key = f"{REGISTRY_KEY_PREFIX}{worker.port}"
-    record = registry_pb2.WorkerRecord(worker_id=str(worker.port), address=worker.address,
-                                       served_model_names=["m"])
-    await registry.set(key, record.SerializeToString(), px=ttl_ms)
-    return key
+class Registered:
+    """A worker's registry entry, written by the worker's own Registrar: `stop` deletes it (a drain),
+    `kill` stops its heartbeat and leaves the key to expire (a crash)."""
+
+    def __init__(self, url: str, worker: Worker, *, ttl: float = TTL, instance: str | None = None) -> None:
+        self.registrar = Registrar(url, worker.address, ["m"], ttl=ttl, instance=instance or worker.address)
+
+    @property
+    def worker_id(self) -> str:
+        return self.registrar.record.worker_id
+
+    async def start(self) -> Registered:
+        await self.registrar.start()
+        return self
+
+    async def kill(self) -> None:
+        assert self.registrar.heartbeats is not None
+        self.registrar.heartbeats.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.registrar.heartbeats
+        self.registrar.heartbeats = None
+
+    async def stop(self) -> None:
+        await self.registrar.stop()
+
+
+@pytest.fixture
+async def registrations() -> AsyncIterator[list[Registered]]:
+    """Registered entries, stopped at the end of the test."""
+    made: list[Registered] = []
+    yield made
+    for entry in made:
+        if entry.registrar.heartbeats is not None:
+            await entry.stop()
+        else:
+            with contextlib.suppress(Exception):
+                await entry.registrar.client.aclose()
+
+
+async def _register(made: list[Registered], url: str, worker: Worker, **kwargs: float | str | None) -> Registered:
+    entry = Registered(url, worker, **kwargs)  # type: ignore[arg-type]
+    made.append(entry)
+    return await entry.start()
 
 
 async def _within(seconds: float, condition: Callable[[], bool], what: str) -> float:
@@ -142,6 +192,14 @@ async def _within(seconds: float, condition: Callable[[], bool], what: str) -> f
         assert elapsed < seconds, f"{what}: not within {seconds} s"
         await asyncio.sleep(0.02)
     return time.monotonic() - start
+
+
+async def _holds(seconds: float, condition: Callable[[], bool], what: str) -> None:
+    """`condition` stays true, checked every 20 ms, for `seconds`."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        assert condition(), what
+        await asyncio.sleep(0.02)
 
 
 def _ready(pool: EnginePool) -> set[str]:
@@ -156,30 +214,44 @@ def _member(pool: EnginePool, address: str) -> EngineClient:
     return next(c for c in pool.clients if c.address == address)
 
 
-async def test_registered_workers_join_and_leave(registry: aioredis.Redis, redis_url: str,
-                                                 workers: list[Worker]) -> None:
+def _prompt(seed: str) -> str:
+    return "".join(f"{seed}-{i}-".ljust(CHUNK_CHARS, "x") for i in range(8))
+
+
+def _prefix_match(pool: EnginePool, client: EngineClient, text: str) -> float:
+    """The prefix match cache_aware finds on `client` for `text` (routing it there alone)."""
+    others = [c for c in pool.clients if c is not client]
+    return pool.route(RouteKey(model="m", prefix_text=text), exclude=others).prefix_match
+
+
+async def test_registered_workers_join_and_leave(registry: aioredis.Redis, redis_url: str, workers: list[Worker],
+                                                 registrations: list[Registered]) -> None:
     first, second = workers
     pool = EnginePool(registry_url=redis_url)
     await pool.start()
     try:
         assert pool.clients == []
-        key = await _register(registry, first)
+        entry = await _register(registrations, redis_url, first)
         await _within(JOIN_WITHIN, lambda: _ready(pool) == {first.address}, "a registered worker joins")
         client = _member(pool, first.address)
+        assert client.member_id == entry.worker_id, "a registered member is its worker process"
         assert client.info is not None and list(client.info.served_model_names) == ["m"]
         await _within(1.0, lambda: client.reported is not None, "its load is read")
         assert REGISTRY.get_sample_value("taco_llm_worker_ready", {"worker": first.address}) == 1
         assert REGISTRY.get_sample_value("taco_llm_worker_load", {"worker": first.address,
                                                                   "kind": "kv_cache_usage"}) == 0.25
 
-        # A key that expires (its worker stopped heartbeating) takes its worker out.
-        await _register(registry, second, ttl_ms=1500)
-        await _within(1.4, lambda: second.address in _ready(pool), "the second joins")
+        # A worker that stops heartbeating: its key expires, and a TTL later it leaves.
+        crashed = await _register(registrations, redis_url, second)
+        await _within(JOIN_WITHIN, lambda: second.address in _ready(pool), "the second joins")
+        await crashed.kill()
+        await asyncio.wait_for(_key_gone(registry, crashed.registrar.key), TTL + 1.0)
+        assert second.address in _members(pool), "a member stays for a TTL after its key is gone"
         await _within(LEAVE_WITHIN, lambda: second.address not in _members(pool), "an expired key leaves")
 
         # A stream under way keeps the channel of a worker whose key was deleted, until it ends.
         client.in_flight = 1
-        await registry.delete(key)
+        await entry.stop()
         await _within(LEAVE_WITHIN, lambda: first.address not in _members(pool), "a deleted key leaves")
         assert REGISTRY.get_sample_value("taco_llm_worker_ready", {"worker": first.address}) is None
         await asyncio.sleep(0.3)
@@ -193,11 +265,17 @@ async def test_registered_workers_join_and_leave(registry: aioredis.Redis, redis
         await pool.close()
 
 
+async def _key_gone(registry: aioredis.Redis, key: str) -> None:
+    while await registry.exists(key):
+        await asyncio.sleep(0.02)
+
+
 async def test_dead_and_not_serving_workers_leave_rotation(registry: aioredis.Redis, redis_url: str,
-                                                           workers: list[Worker]) -> None:
+                                                           workers: list[Worker],
+                                                           registrations: list[Registered]) -> None:
     first, second = workers
     for worker in workers:
-        await _register(registry, worker)
+        await _register(registrations, redis_url, worker)
     pool = EnginePool(registry_url=redis_url)
     await pool.start()
     try:
@@ -216,26 +294,186 @@ async def test_dead_and_not_serving_workers_leave_rotation(registry: aioredis.Re
         await pool.close()
 
 
-async def test_a_registry_outage_keeps_the_members(registry: aioredis.Redis, redis_url: str,
-                                                   workers: list[Worker]) -> None:
+async def test_a_draining_worker_leaves_rotation_at_once_and_the_pool_a_ttl_later(
+        registry: aioredis.Redis, redis_url: str, workers: list[Worker], registrations: list[Registered]) -> None:
+    first, second = workers
+    draining = await _register(registrations, redis_url, first)
+    await _register(registrations, redis_url, second)
+    pool = EnginePool(registry_url=redis_url, list_interval=0.2)
+    await pool.start()
+    try:
+        await _within(JOIN_WITHIN, lambda: _ready(pool) == {first.address, second.address}, "both join")
+        # SIGTERM: the worker reports NOT_SERVING and deletes its key (engine_worker/frontend/drain.py).
+        first.health.status = health_pb2.HealthCheckResponse.NOT_SERVING
+        await draining.stop()
+        await _within(OUT_OF_ROTATION_WITHIN, lambda: _ready(pool) == {second.address},
+                      "a draining worker is out of rotation at once, through its health")
+        await _within(LEAVE_WITHIN, lambda: _members(pool) == {second.address}, "and out of the pool a TTL later")
+    finally:
+        await pool.close()
+
+
+async def test_an_emptied_registry_keeps_the_fleet(registry: aioredis.Redis, redis_url: str, workers: list[Worker],
+                                                   registrations: list[Registered]) -> None:
     first, _ = workers
     static = workers[1]
-    await _register(registry, first)
+    entry = await _register(registrations, redis_url, first)
     pool = EnginePool([static.address], registry_url=redis_url, list_interval=0.2)
     await pool.start()
     try:
         await _within(JOIN_WITHIN, lambda: _ready(pool) == {first.address, static.address}, "both ready")
-        # Redis answering nothing (the whole database gone) removes registered members, never --engine ones.
+        client = _member(pool, first.address)
+        breaker = client.breaker
+        pool.record_outcome(client, worker_fault=True)  # one fault: the breaker counts it, still closed
+        faults = breaker.failures
+        assert faults == 1
+        text = _prompt("warm")
+        _prefix_match(pool, client, text)
+        assert _prefix_match(pool, client, text) == 1.0
+
+        # Redis answers, with no key at all (restarted without persistence, flushed, a lagging replica):
+        # the registered member stays, in rotation, until its heartbeat writes the key again (a third of
+        # the TTL), with its breaker and its cache affinity.
         await registry.flushdb()
-        await _within(LEAVE_WITHIN, lambda: _members(pool) == {static.address}, "static members stay")
-        await _register(registry, first)
-        await _within(JOIN_WITHIN, lambda: first.address in _ready(pool), "rejoins")
+        rejoined = time.monotonic() + TTL
+        while time.monotonic() < rejoined:
+            assert _ready(pool) == {first.address, static.address}, "an empty listing emptied the fleet"
+            await asyncio.sleep(0.02)
+        assert await registry.exists(entry.registrar.key), "the worker wrote its key again"
+        assert _member(pool, first.address) is client and client.breaker is breaker
+        assert breaker.failures == faults
+        assert _prefix_match(pool, client, text) == 1.0, "its cache affinity was kept"
+
+        # No heartbeat to write it again (the worker died with Redis's keys): it leaves a TTL later.
+        await entry.kill()
+        await registry.flushdb()
+        gone = time.monotonic()
+        await _within(LEAVE_WITHIN, lambda: _members(pool) == {static.address}, "a member missing a TTL leaves")
+        assert time.monotonic() - gone >= TTL - 0.1, "it left before its TTL was up"
+
         # Redis unreachable: the pool keeps what it has.
+        await _register(registrations, redis_url, first)
+        await _within(JOIN_WITHIN, lambda: first.address in _ready(pool), "rejoins")
         assert pool._registry is not None
         await pool._registry.close()
         pool._registry._redis = aioredis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2)
-        await asyncio.sleep(1.0)
-        assert _ready(pool) == {first.address, static.address}
+        await _holds(TTL + 1.0, lambda: _ready(pool) == {first.address, static.address}, "an outage keeps members")
+    finally:
+        await pool.close()
+
+
+async def test_a_restarted_worker_is_a_new_member(registry: aioredis.Redis, redis_url: str, workers: list[Worker],
+                                                  registrations: list[Registered]) -> None:
+    first, second = workers
+    ttl = 6.0  # long: the old incarnation's key outlives each check below, which must not wait for it
+    old = await _register(registrations, redis_url, first, ttl=ttl, instance="worker-a")
+    pool = EnginePool(registry_url=redis_url, list_interval=0.2)
+    await pool.start()
+    try:
+        await _within(JOIN_WITHIN, lambda: _ready(pool) == {first.address}, "joins")
+        client = _member(pool, first.address)
+        text = _prompt("restart")
+        _prefix_match(pool, client, text)
+        pool.record_outcome(client, worker_fault=True)
+        client.in_flight = 1  # a stream under way on the old incarnation
+
+        # The container is restarted at a new address; the old process's key has not expired yet.
+        await old.kill()
+        moved = await _register(registrations, redis_url, second, ttl=ttl, instance="worker-a")
+        await _within(JOIN_WITHIN, lambda: _members(pool) == {second.address},
+                      "the old incarnation leaves as the new one registers, not when its key expires")
+        assert await registry.exists(old.registrar.key)
+        load = await client.stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=1)
+        assert load.kv_cache_usage == 0.25, "the old incarnation's stream keeps its channel until it ends"
+        client.in_flight = 0
+        await asyncio.sleep(0.5)
+        with pytest.raises(Exception):  # noqa: B017 - grpc's UsageError on a closed channel
+            await client.stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=1)
+        await _within(JOIN_WITHIN, lambda: second.address in _ready(pool), "the new one is ready")
+        assert pool._watchers.keys() == set(pool.clients), "the old address is no longer health-checked"
+
+        # Restarted again, at the same address: still a new member, with a fresh breaker and no affinity.
+        moved_client = _member(pool, second.address)
+        _prefix_match(pool, moved_client, text)
+        pool.record_outcome(moved_client, worker_fault=True)
+        await moved.kill()
+        await _register(registrations, redis_url, second, ttl=ttl, instance="worker-a")
+        await _within(JOIN_WITHIN, lambda: second.address in _ready(pool) and _member(pool, second.address)
+                      is not moved_client, "a new incarnation at the same address is a new member")
+        assert len(pool.clients) == 1
+        renewed = _member(pool, second.address)
+        assert renewed.breaker.failures == 0
+        assert _prefix_match(pool, renewed, text) == 0, "the new incarnation's cache is cold"
+    finally:
+        await pool.close()
+
+
+async def test_live_workers_sharing_an_instance_name_are_all_kept(
+        registry: aioredis.Redis, redis_url: str, workers: list[Worker], registrations: list[Registered],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Two replicas given one TACO_LLM_INSTANCE by mistake, both heartbeating: two workers, not a restart
+    of one (before: only the later one was ever routed to)."""
+    first, second = workers
+    await _register(registrations, redis_url, first, instance="same-name")
+    await asyncio.sleep(0.05)  # a later start
+    await _register(registrations, redis_url, second, instance="same-name")
+    pool = EnginePool(registry_url=redis_url, list_interval=0.2)
+    await pool.start()
+    try:
+        await _within(JOIN_WITHIN, lambda: _ready(pool) == {first.address, second.address}, "both join")
+        await _holds(1.0, lambda: _ready(pool) == {first.address, second.address}, "both stay")
+        assert any("same-name" in r.getMessage() and r.levelname == "ERROR" for r in caplog.records)
+    finally:
+        await pool.close()
+
+
+async def test_a_missing_member_whose_address_answers_as_another_process_leaves(
+        registry: aioredis.Redis, redis_url: str, workers: list[Worker], registrations: list[Registered]) -> None:
+    """A member whose key is gone is kept for its TTL (an emptied Redis) and still polled; if its address
+    meanwhile answers as another process (the IP given to another worker), it leaves at once rather than
+    counting that process as itself (before: it came back ready, as a 'restart', beside the new member)."""
+    first, _ = workers
+    entry = await _register(registrations, redis_url, first, ttl=6.0)
+    pool = EnginePool(registry_url=redis_url, list_interval=0.2, health_interval=0.1)
+    await pool.start()
+    try:
+        await _within(JOIN_WITHIN, lambda: _ready(pool) == {first.address}, "joins")
+        client = _member(pool, first.address)
+        await entry.kill()
+        await registry.delete(entry.registrar.key)
+        await _within(JOIN_WITHIN, lambda: client.absent_since is not None, "its key missed")
+        first.health.status = health_pb2.HealthCheckResponse.NOT_SERVING
+        await _within(OUT_OF_ROTATION_WITHIN, lambda: not client.ready, "out of rotation")
+        first.engine.created += 60  # another process now answers at this address
+        first.health.status = health_pb2.HealthCheckResponse.SERVING
+        await _within(OUT_OF_ROTATION_WITHIN + 1, lambda: client not in pool.clients, "the ghost leaves")
+        assert not _ready(pool)
+    finally:
+        first.health.status = health_pb2.HealthCheckResponse.SERVING
+        await pool.close()
+
+
+async def test_a_worker_registered_at_a_new_address_is_dialed_there(
+        registry: aioredis.Redis, redis_url: str, workers: list[Worker], registrations: list[Registered]) -> None:
+    first, second = workers
+    entry = await _register(registrations, redis_url, first)
+    pool = EnginePool(registry_url=redis_url, list_interval=0.2)
+    await pool.start()
+    try:
+        await _within(JOIN_WITHIN, lambda: _ready(pool) == {first.address}, "joins")
+        client = _member(pool, first.address)
+        text = _prompt("moved")
+        _prefix_match(pool, client, text)
+        # The same process now reachable elsewhere (its record rewritten with the new address).
+        await entry.kill()
+        record = registry_pb2.WorkerRecord()
+        record.CopyFrom(entry.registrar.record)
+        record.address = second.address
+        await registry.set(entry.registrar.key, record.SerializeToString(), px=int(TTL * 1000))
+        await _within(JOIN_WITHIN, lambda: _ready(pool) == {second.address}, "dialed at its new address")
+        moved = _member(pool, second.address)
+        assert moved.member_id == client.member_id and moved.breaker is client.breaker
+        assert _prefix_match(pool, moved, text) == 1.0, "the same process: its cache went with it"
     finally:
         await pool.close()
 
@@ -259,3 +497,65 @@ async def test_a_frozen_worker_leaves_rotation_at_the_second_missed_deadline() -
         worker.freezer.thawed.set()
         await pool.close()
         await worker.stop()
+
+
+async def test_affinity_outlives_missed_checks_but_not_a_restart() -> None:
+    worker = Worker("m")
+    await worker.start()
+    pool = EnginePool([worker.address], health_interval=0.1)
+    await pool.start()
+    try:
+        client = _member(pool, worker.address)
+        text = _prompt("busy")
+        _prefix_match(pool, client, text)
+        # A busy worker answers two checks late: out of rotation, then back, its KV cache as warm as before.
+        worker.freezer.thawed.clear()
+        await _within(OUT_OF_ROTATION_WITHIN + 0.5, lambda: not client.ready, "two missed deadlines")
+        worker.freezer.thawed.set()
+        await _within(OUT_OF_ROTATION_WITHIN, lambda: client.ready, "ready again")
+        assert _prefix_match(pool, client, text) == 1.0, "affinity wiped by a missed health check"
+
+        # Restarted (another ModelInfo.created): its cache is gone, and so is its affinity.
+        worker.health.status = health_pb2.HealthCheckResponse.NOT_SERVING
+        await _within(OUT_OF_ROTATION_WITHIN, lambda: not client.ready, "restarting")
+        worker.engine.created += 60
+        worker.health.status = health_pb2.HealthCheckResponse.SERVING
+        await _within(OUT_OF_ROTATION_WITHIN, lambda: client.ready, "restarted")
+        assert client.info is not None and client.info.created == worker.engine.created
+        assert _prefix_match(pool, client, text) == 0
+    finally:
+        worker.freezer.thawed.set()
+        await pool.close()
+        await worker.stop()
+
+
+async def test_a_restarted_cache_service_is_forgotten_once(workers: list[Worker]) -> None:
+    first, second = workers
+    for worker in workers:
+        worker.engine.cache_service = "cache:1"
+        worker.engine.cache_incarnation = "run-1"
+    pool = EnginePool([w.address for w in workers], health_interval=0.1)
+    await pool.start()
+    try:
+        a, b = _member(pool, first.address), _member(pool, second.address)
+        await _within(1.0, lambda: all(c.reported is not None for c in (a, b)), "loads read")
+        before, after = _prompt("before"), _prompt("after")
+        _prefix_match(pool, a, before)
+        _prefix_match(pool, a, after)
+        # Sent to a, warm on b through the cache service they share, at the offload discount.
+        assert _prefix_match(pool, b, before) == pytest.approx(0.75)
+
+        # The cache service restarted, empty: b has read its new incarnation, a not yet.
+        second.engine.cache_incarnation = "run-2"
+        await _within(1.0, lambda: b.reported is not None and b.reported.prefix_cache_incarnation == "run-2",
+                      "b reports the new incarnation")
+        await asyncio.sleep(0.3)
+        assert _prefix_match(pool, b, after) == 0, "the restarted service's shared index was kept"
+        assert _prefix_match(pool, a, before) == 1.0, "a's own KV cache is still warm"
+        # a's report of the old incarnation is no news: what was sent since stays warm through the service.
+        again = _prompt("again")
+        _prefix_match(pool, a, again)
+        await asyncio.sleep(0.3)
+        assert _prefix_match(pool, b, again) == pytest.approx(0.75)
+    finally:
+        await pool.close()

@@ -3,8 +3,10 @@ real gateway app against small in-process fake engines (no vLLM)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,9 +18,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry.instrumentation.grpc import GrpcAioInstrumentorClient
 
 from taco_llm.gateway.app import GatewaySettings, create_app
+from taco_llm.gateway.circuit_breaker import BreakerState, CircuitBreaker
 from taco_llm.gateway.engine_pool import EngineClient, EnginePool
 from taco_llm.gateway.failover import FailoverPolicy, is_worker_fault
 from taco_llm.gateway.metrics import REGISTRY
+from taco_llm.gateway.routing import RouteKey
+from taco_llm.gateway.serving import EngineCalls
 from taco_llm.protos import engine_pb2, engine_pb2_grpc, rich_status
 from taco_llm.protos.engine_limits import ENGINE_SERVICE
 from taco_llm.protos.rich_status import Reason
@@ -50,6 +55,21 @@ class Behaviour:
     die_after: int | None = None
     # Abort with UNAVAILABLE after the last delta, instead of sending `finished`.
     die_before_finished: bool = False
+    # Refuse with INVALID_ARGUMENT (a client fault, mid-stream) after sending this many tokens.
+    refuse_after: int | None = None
+    # Seconds before `started` (a long prefill, or a queue), and between tokens.
+    start_delay: float = 0.0
+    token_delay: float = 0.0
+    # Wedged: never sends `started` / nothing more after this many tokens, and says so in GetLoad
+    # (engine_stalled_ms) as a worker whose engine stopped stepping does.
+    hang_before_start: bool = False
+    hang_after: int | None = None
+    # Before failing (fail_before_start, die_after), report NOT_SERVING and wait until the gateway has
+    # seen it: a worker that goes down for good.
+    unready_before_failing: bool = False
+    # NOT_SERVING on health during start_delay (a draining worker, or one whose busy health checks miss
+    # their deadlines), while its engine steps (GetLoad: engine_stalled_ms 0).
+    unready_while_starting: bool = False
 
 
 @dataclass
@@ -57,16 +77,57 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
     behaviour: Behaviour = field(default_factory=Behaviour)
     requests: list[engine_pb2.GenerateRequest] = field(default_factory=list)
     metadata: list[dict[str, str]] = field(default_factory=list)
+    models: list[str] = field(default_factory=lambda: [MODEL])
+    health: health.aio.HealthServicer | None = None
+    # Generate calls the gateway cancelled, and those still running.
+    cancelled: int = 0
+    running: int = 0
+    # Since when the engine has been wedged (time.monotonic), for GetLoad's engine_stalled_ms.
+    hung_since: float | None = None
 
     async def Generate(self, request: engine_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        self.running += 1
+        try:
+            async for message in self._generate(request, context):
+                yield message
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.running -= 1
+
+    async def _hang(self) -> None:
+        self.hung_since = time.monotonic()
+        await asyncio.sleep(3600)
+
+    async def _fail(self, context: grpc.aio.ServicerContext, reason: int | None = None) -> None:
+        if self.behaviour.unready_before_failing:
+            assert self.health is not None
+            await self.health.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await asyncio.sleep(1.0)  # the gateway's health checks (every 0.2 s) see it
+        if reason is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the fake engine is down")
+        await rich_status.abort(context, grpc.StatusCode.UNAVAILABLE, "the engine died", reason)
+
+    async def _generate(self, request: engine_pb2.GenerateRequest,
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.GenerateResponse]:
         self.requests.append(engine_pb2.GenerateRequest.FromString(request.SerializeToString()))
         self.metadata.append({k: str(v) for k, v in context.invocation_metadata() or ()})
         b = self.behaviour
+        if request.model not in self.models:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"this worker does not serve {request.model!r}")
         if b.fail_before_start:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the fake engine is down")
+            await self._fail(context)
         if b.refuse:
             await rich_status.invalid_argument(context, "temperature must be at least 0", "temperature")
+        if b.hang_before_start:
+            await self._hang()
+        if b.unready_while_starting and self.health is not None:
+            await self.health.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await asyncio.sleep(b.start_delay)
+        if b.unready_while_starting and self.health is not None:
+            await self.health.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         resumed = list(request.resume.output_token_ids)
         # The contract: resume holds the choice's tokens already sent, in order.
         assert resumed == [token_id(i) for i in range(len(resumed))], resumed
@@ -75,8 +136,14 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         yield engine_pb2.GenerateResponse(request_id=request.request_id,
                                           started=engine_pb2.Started(prompt_token_ids=PROMPT_IDS))
         for sent, position in enumerate(range(len(resumed), max_tokens)):
+            if sent:
+                await asyncio.sleep(b.token_delay)
             if b.die_after is not None and sent == b.die_after:
-                await rich_status.abort(context, grpc.StatusCode.UNAVAILABLE, "the engine died", Reason.ENGINE_DEAD)
+                await self._fail(context, Reason.ENGINE_DEAD)
+            if b.refuse_after is not None and sent == b.refuse_after:
+                await rich_status.invalid_argument(context, "a token went out of range", "logit_bias")
+            if b.hang_after is not None and sent == b.hang_after:
+                await self._hang()
             last = position == max_tokens - 1
             yield engine_pb2.GenerateResponse(request_id=request.request_id, delta=engine_pb2.Delta(choices=[
                 engine_pb2.ChoiceDelta(
@@ -90,23 +157,26 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
 
     async def GetModelInfo(self, request: engine_pb2.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> engine_pb2.ModelInfo:
-        return engine_pb2.ModelInfo(served_model_names=[MODEL], max_model_len=2048, vocab_size=1000)
+        return engine_pb2.ModelInfo(served_model_names=self.models, max_model_len=2048, vocab_size=1000)
 
     async def GetLoad(self, request: engine_pb2.GetLoadRequest, context: grpc.aio.ServicerContext) -> engine_pb2.Load:
-        return engine_pb2.Load()
+        stalled = 0 if self.hung_since is None else int((time.monotonic() - self.hung_since) * 1000)
+        return engine_pb2.Load(num_running_requests=self.running, engine_stalled_ms=stalled)
 
 
 @contextlib.asynccontextmanager
-async def fake_engines(*behaviours: Behaviour) -> AsyncIterator[list[tuple[str, FakeEngine]]]:
-    """One grpc.aio server per behaviour, listed by address in the order round_robin visits them."""
+async def fake_engines(*behaviours: Behaviour,
+                       models: list[list[str]] | None = None) -> AsyncIterator[list[tuple[str, FakeEngine]]]:
+    """One grpc.aio server per behaviour, listed by address in the order round_robin visits them.
+    `models`: what each serves, in that order (default: MODEL)."""
     servers, engines = [], []
     for _ in behaviours:
         server = grpc.aio.server()
         engine = FakeEngine()
         engine_pb2_grpc.add_EngineServicer_to_server(engine, server)
-        checks = health.aio.HealthServicer()
-        await checks.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.SERVING)
-        health_pb2_grpc.add_HealthServicer_to_server(checks, server)
+        engine.health = health.aio.HealthServicer()
+        await engine.health.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(engine.health, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         servers.append(server)
@@ -115,6 +185,8 @@ async def fake_engines(*behaviours: Behaviour) -> AsyncIterator[list[tuple[str, 
     ordered = sorted(engines, key=lambda pair: pair[0])
     for (_, engine), behaviour in zip(ordered, behaviours, strict=True):
         engine.behaviour = behaviour
+    for (_, engine), names in zip(ordered, models or [], strict=False):
+        engine.models = names
     try:
         yield ordered
     finally:
@@ -124,9 +196,13 @@ async def fake_engines(*behaviours: Behaviour) -> AsyncIterator[list[tuple[str, 
 
 @dataclass
 class Outcomes:
-    """What the pool's breakers were fed."""
+    """What the pool's breakers were fed, and the pool."""
 
+    pool: EnginePool
     fed: list[tuple[str, bool]] = field(default_factory=list)
+
+    def in_flight(self) -> dict[str, int]:
+        return {c.address: c.in_flight for c in self.pool.clients}
 
 
 @contextlib.asynccontextmanager
@@ -134,7 +210,7 @@ async def gateway(engines: list[tuple[str, FakeEngine]],
                   **settings: Any) -> AsyncIterator[tuple[httpx.AsyncClient, Outcomes]]:
     addresses = [a for a, _ in engines]
     pool = EnginePool(addresses, health_interval=0.2, routing="round_robin")
-    outcomes = Outcomes()
+    outcomes = Outcomes(pool)
     record = pool.record_outcome
 
     def recording(client: EngineClient, *, worker_fault: bool) -> None:
@@ -385,3 +461,198 @@ async def test_traces_carry_the_routing_and_reach_the_worker() -> None:
     finally:
         receiver.stop()
         GrpcAioInstrumentorClient().uninstrument()
+
+
+# --- a wedged worker: the stall deadline (--stream-stall-timeout) ----------------------------------
+
+STALL = 0.5  # the tests' --stream-stall-timeout, seconds
+
+
+async def _post_within(client: httpx.AsyncClient, seconds: float, path: str, body: dict[str, Any]) -> httpx.Response:
+    """The reply, or a failure naming the hang (a wedged worker hangs the request for ever)."""
+    try:
+        return await asyncio.wait_for(client.post(path, json=body), seconds)
+    except TimeoutError:
+        raise AssertionError(f"no answer within {seconds} s: the request hangs on the wedged worker") from None
+
+
+async def test_a_worker_wedged_before_the_first_message_is_abandoned_for_another() -> None:
+    before = counter("taco_llm_router_retries_total", {"code": "STALLED"})
+    async with fake_engines(Behaviour(hang_before_start=True), Behaviour()) as engines, \
+            gateway(engines, stream_stall_timeout=STALL) as (client, outcomes):
+        reply = await _post_within(client, 10, "/v1/chat/completions", chat_body())
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["message"]["content"] == EXPECTED_TEXT
+        (wedged, wedged_engine), (good, _) = engines
+        assert outcomes.fed == [(wedged, True), (good, False)], "a stall is the worker's fault"
+        await _until(lambda: wedged_engine.cancelled == 1, "the wedged worker's call was not cancelled")
+        assert outcomes.in_flight() == {wedged: 0, good: 0}
+    assert counter("taco_llm_router_retries_total", {"code": "STALLED"}) == before + 1
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_stream_whose_worker_wedges_midway_continues_on_another(stream: bool) -> None:
+    async with fake_engines(Behaviour(hang_after=3), Behaviour()) as engines, \
+            gateway(engines, stream_stall_timeout=STALL) as (client, outcomes):
+        reply = await _post_within(client, 10, "/v1/chat/completions", chat_body(stream=stream))
+        assert reply.status_code == 200, reply.text
+        text = streamed_text(sse_events(reply.text)) if stream else reply.json()["choices"][0]["message"]["content"]
+        assert text == EXPECTED_TEXT, "no token lost or repeated"
+        (wedged, wedged_engine), (_, alive_engine) = engines
+        assert list(alive_engine.requests[0].resume.output_token_ids) == [token_id(i) for i in range(3)]
+        assert (wedged, True) in outcomes.fed
+        await _until(lambda: wedged_engine.cancelled == 1, "the wedged worker's call was not cancelled")
+
+
+async def test_a_slow_worker_that_reports_progress_is_not_abandoned() -> None:
+    """A first message later than the deadline (a long prefill, a queue) from a worker whose engine steps
+    (engine_stalled_ms 0) is waited for: no retry, no fault."""
+    async with fake_engines(Behaviour(start_delay=4 * STALL), Behaviour()) as engines, \
+            gateway(engines, stream_stall_timeout=STALL) as (client, outcomes):
+        reply = await _post_within(client, 10, "/v1/chat/completions", chat_body(stream=True))
+        assert streamed_text(sse_events(reply.text)) == EXPECTED_TEXT
+        (slow, _), (_, other) = engines
+        assert outcomes.fed == [(slow, False)] and not other.requests
+
+
+async def test_a_worker_out_of_rotation_whose_engine_steps_is_not_abandoned() -> None:
+    """Not ready (draining, or a busy worker's health checks missing their deadlines) is no sign of a stall:
+    its streams are waited for while its Load reports say its engine steps."""
+    async with fake_engines(Behaviour(start_delay=6 * STALL, unready_while_starting=True), Behaviour()) as engines, \
+            gateway(engines, stream_stall_timeout=STALL) as (client, outcomes):
+        reply = await _post_within(client, 10, "/v1/chat/completions", chat_body(stream=True))
+        assert streamed_text(sse_events(reply.text)) == EXPECTED_TEXT
+        (slow, slow_engine), (_, other) = engines
+        assert outcomes.fed == [(slow, False)] and not other.requests and slow_engine.cancelled == 0
+
+
+async def test_the_stall_deadline_is_off_at_zero_and_checked() -> None:
+    with pytest.raises(ValueError, match="--stream-stall-timeout"):
+        FailoverPolicy(stream_stall_timeout=-1)
+    with pytest.raises(ValueError, match="--stream-stall-timeout"):
+        FailoverPolicy(stream_stall_timeout=float("nan"))
+    async with fake_engines(Behaviour(hang_before_start=True), Behaviour()) as engines, \
+            gateway(engines, stream_stall_timeout=0) as (client, outcomes):
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(client.post("/v1/chat/completions", json=chat_body()), 4 * STALL)
+        assert outcomes.fed == []
+
+
+async def _until(condition: Any, failure: str, seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, failure
+        await asyncio.sleep(0.02)
+
+
+# --- a stream closed while it connects releases what it opened ------------------------------------
+
+async def test_a_batch_prompt_migrating_when_another_fails_releases_its_new_call() -> None:
+    """Non-streaming /v1/completions with two prompts: prompt 1's worker dies and its stream migrates
+    to a worker slow to start; meanwhile prompt 0 is refused mid-stream, which ends the request and
+    closes prompt 1's stream while its _connect still waits. That stream must release the call its
+    connect opens: else the worker counts it in flight for ever, and generates it for nobody."""
+    async with fake_engines(Behaviour(refuse_after=2, token_delay=0.3), Behaviour(die_after=1),
+                            Behaviour(start_delay=1.0, token_delay=0.2)) as engines, \
+            gateway(engines) as (client, outcomes):
+        reply = await client.post("/v1/completions", json={"model": MODEL, "prompt": ["a", "b"]})
+        assert reply.status_code == 400, reply.text
+        slow_engine = engines[2][1]
+        assert slow_engine.requests, "prompt 1 did not migrate to the slow worker"
+        await _until(lambda: slow_engine.running == 0, "the migrated call runs on for nobody")
+        assert slow_engine.cancelled == 1
+        await asyncio.sleep(1.5)  # past the slow worker's start: a late connect would count it now
+        assert all(count == 0 for count in outcomes.in_flight().values()), outcomes.in_flight()
+
+
+# --- the model a request without one resolved to stays its model ----------------------------------
+
+@pytest.mark.parametrize("phase", ["retry", "migration"])
+async def test_a_request_without_a_model_stays_on_the_model_it_was_routed_to(phase: str) -> None:
+    """Two models in the fleet; a request names none, so it goes to the first worker's model (m1). That
+    worker goes down for good: the retry or migration must go to the other worker of m1, not to the
+    worker that is now first in the pool (m2)."""
+    failing = Behaviour(unready_before_failing=True, **({"fail_before_start": True} if phase == "retry"
+                                                         else {"die_after": 3}))
+    async with fake_engines(failing, Behaviour(), Behaviour(), models=[["m1"], ["m2"], ["m1"]]) as engines, \
+            gateway(engines) as (client, _):
+        body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+        reply = await _post_within(client, 10, "/v1/chat/completions", body)
+        assert reply.status_code == 200, reply.text
+        events = sse_events(reply.text)
+        assert not any("error" in e for e in events if isinstance(e, dict)), events[-2:]
+        assert streamed_text(events) == EXPECTED_TEXT
+        assert {e["model"] for e in events if isinstance(e, dict)} == {"m1"}
+        (_, _), (_, other_model), (_, same_model) = engines
+        assert not other_model.requests, "a request for m1 went to a worker of m2"
+        assert [r.model for r in same_model.requests] == ["m1"]
+
+
+# --- a half-open worker's trial slot -------------------------------------------------------------
+
+def test_an_abandoned_trial_frees_its_slot_at_once() -> None:
+    breaker = CircuitBreaker(threshold=1, base_cooldown=5.0, trial_timeout=30.0)
+    breaker.record(0.0, worker_fault=True)
+    assert breaker.state(6.0) is BreakerState.HALF_OPEN
+    breaker.routed(6.0)
+    trial = breaker.trial_out()
+    assert trial is not None and not breaker.allows(6.5)
+    breaker.abandon(trial)
+    assert breaker.allows(6.5) and breaker.state(6.5) is BreakerState.HALF_OPEN
+    # A trial that timed out and was replaced is no longer the abandoned request's to free.
+    breaker.routed(7.0)
+    old = breaker.trial_out()
+    assert old is not None
+    breaker.routed(40.0)
+    breaker.abandon(old)
+    assert not breaker.allows(41.0), "the newer trial's slot was freed by the old one's caller"
+    # A request routed while the breaker was closed is no trial.
+    closed = CircuitBreaker()
+    closed.routed(0.0)
+    assert closed.trial_out() is None
+
+
+@pytest.mark.parametrize("phase", ["first attempt", "migration"])
+async def test_a_cancelled_trial_request_frees_the_half_open_slot(phase: str) -> None:
+    """The client of the request that took a half-open worker's trial leaves before the worker answered
+    (or, for a migration, before the new worker's first message): the next request may try the worker
+    at once, not 30 s (trial_timeout) later."""
+    behaviours = (Behaviour(start_delay=30),) if phase == "first attempt" else \
+        (Behaviour(die_after=2), Behaviour(start_delay=30))
+    async with fake_engines(*behaviours) as engines, gateway(engines) as (_, outcomes):
+        pool = outcomes.pool
+        trial_worker = next(c for c in pool.clients if c.address == engines[-1][0])
+        engines_calls = EngineCalls(pool, retry_backoff=0.001)
+
+        def half_open() -> None:
+            trial_worker.breaker.opened_at = pool.clock() - trial_worker.breaker.cooldown - 1
+
+        async def run() -> None:
+            stream = await engines_calls.generate(
+                engine_pb2.GenerateRequest(model=MODEL, text="x"), {}, RouteKey(model=MODEL))
+            half_open()  # the migration's target is the trial
+            async for _ in stream.messages():
+                pass
+
+        if phase == "first attempt":
+            half_open()
+        task = asyncio.create_task(run())
+        await _until(lambda: bool(engines[-1][1].requests), "the trial request was not sent")
+        assert not trial_worker.breaker.allows(pool.clock()), "the trial is out"
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        assert trial_worker.breaker.state(pool.clock()) is BreakerState.HALF_OPEN
+        assert trial_worker.breaker.allows(pool.clock()), "the cancelled trial still holds the slot"
+        assert all(count == 0 for count in outcomes.in_flight().values()), outcomes.in_flight()
+
+
+def test_the_stall_deadline_flag_reaches_the_gateway_and_is_checked() -> None:
+    from taco_llm.gateway.__main__ import parse
+
+    assert parse(["--engine", "a:1"]).stream_stall_timeout == 30
+    assert parse(["--engine", "a:1", "--stream-stall-timeout", "7.5"]).stream_stall_timeout == 7.5
+    assert parse(["--engine", "a:1", "--stream-stall-timeout", "0"]).stream_stall_timeout == 0
+    for bad in ("-1", "nan", "inf"):
+        with pytest.raises(SystemExit):
+            parse(["--engine", "a:1", "--stream-stall-timeout", bad])

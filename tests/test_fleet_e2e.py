@@ -10,11 +10,13 @@ waits for serve to restart it and for the gateway to take it back before the nex
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -50,10 +52,14 @@ NUM_WORKERS = 2
 # float32 for token-exact greedy output whatever the batch; 96 MiB of KV cache a worker (about 2,100
 # tokens of this model) so that the two workers' caches differ. The balance thresholds are low so that
 # a handful of concurrent streams is enough to count as skew.
+# Shorter than the default (30 s) so that the freeze test takes less time; still twice the longest step
+# measured on this machine, and a worker whose engine steps is never abandoned, whatever the deadline.
+STREAM_STALL_TIMEOUT = 15.0
 FLEET_FLAGS = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "8",
                "--kv-cache-memory-bytes", "96M", "--seed", "0", "--enable-prefix-cache-offload",
                "--routing", "cache_aware", "--cache-aware-balance-abs-threshold", "3",
-               "--cache-aware-balance-rel-threshold", "2", "--shutdown-timeout", "60"]
+               "--cache-aware-balance-rel-threshold", "2", "--shutdown-timeout", "60",
+               "--stream-stall-timeout", str(STREAM_STALL_TIMEOUT)]
 REGISTRY_TTL = 3.0
 SURVIVE = 180.0  # seconds a restarted worker may take to start again and rejoin
 
@@ -323,6 +329,92 @@ def _stream_text(client: openai.OpenAI, prompt: str, max_tokens: int,
     return text, completion_tokens, finish
 
 
+Results = list[tuple[str, int, str | None] | BaseException]
+
+
+def _greedy_streams(fleet: Fleet, client: openai.OpenAI, prompts: list[str], max_tokens: int,
+                    while_running: Callable[[list[int]], None]) -> tuple[Results, list[threading.Thread]]:
+    """Starts the prompts' streams side by side and, once each has had 5 chunks, calls `while_running`
+    with each worker's active streams. Returns where each stream's result (or the error its client saw)
+    will be, and the threads to join."""
+    results: Results = [RuntimeError("not run")] * len(prompts)
+    going = threading.Barrier(len(prompts) + 1)
+
+    def run(n: int) -> None:
+        def on_chunk(count: int) -> None:
+            if count == 5:
+                going.wait(120)
+
+        try:
+            results[n] = _stream_text(client, prompts[n], max_tokens, on_chunk)
+        except BaseException as error:  # every client-visible error is a failure of the test
+            results[n] = error
+
+    threads = [threading.Thread(target=run, args=(n,), daemon=True) for n in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    going.wait(180)
+    while_running([fleet.active_streams(i) for i in range(NUM_WORKERS)])
+    return results, threads
+
+
+def test_a_worker_whose_engine_freezes_loses_no_stream(fleet: Fleet, fleet_client: openai.OpenAI) -> None:
+    """One worker's vLLM engine processes frozen (SIGSTOP) while greedy streams run on both workers: its
+    gRPC server still answers, so only the gateway's stall deadline (--stream-stall-timeout) can tell.
+    Its streams are abandoned and migrated; every stream finishes with one worker's greedy text, within
+    the deadline and a margin. The engine is thawed (SIGCONT) and the worker serves again."""
+    prompts = [f"{_document(70 + n, words=120)}\n\nQ: Tell me more.\nA:" for n in range(4)]
+    max_tokens = 64
+    reference = [fleet_client.completions.create(model="SmolLM2-135M-Instruct", prompt=p, max_tokens=max_tokens,
+                                                 temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+                 for p in prompts]
+    migrations = fleet.gateway_value("taco_llm_router_migrations_total", outcome="resumed")
+    bound = STREAM_STALL_TIMEOUT + 60
+    engines: list[psutil.Process] = []
+    loads: list[int] = []
+    threads: list[threading.Thread] = []
+
+    def freeze(active: list[int]) -> None:
+        loads.extend(active)
+        victim = max(range(NUM_WORKERS), key=lambda i: active[i])
+        engines.extend(psutil.Process(fleet.worker_pid(victim)).children(recursive=True))
+        assert engines, "vLLM's EngineCore runs in a process of its own"
+        for process in engines:
+            process.suspend()
+
+    try:
+        results, threads = _greedy_streams(fleet, fleet_client, prompts, max_tokens, freeze)
+        deadline = time.monotonic() + bound
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        hung = sum(thread.is_alive() for thread in threads)
+    finally:
+        for process in engines:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.resume()
+        for thread in threads:
+            thread.join(600)
+    victim = max(range(NUM_WORKERS), key=lambda i: loads[i])
+    assert not hung, f"{hung} stream(s) of the frozen worker still ran {bound:.0f} s after the freeze (loads {loads})"
+    for n, result in enumerate(results):
+        assert not isinstance(result, BaseException), f"stream {n} failed: {result!r}"
+        text, completion_tokens, finish = result
+        assert text == reference[n], f"stream {n} differs from one worker's greedy run"
+        assert completion_tokens == max_tokens and finish == "length", (n, completion_tokens, finish)
+    assert fleet.gateway_value("taco_llm_router_migrations_total", outcome="resumed") - migrations == loads[victim]
+    # Thawed, the worker serves again, and the abandoned calls left nothing on the gateway's books.
+    fleet.wait_rejoined(victim)
+    settled = time.monotonic() + 10
+    while fleet.gateway_value("taco_llm_worker_load", kind="gateway_streams") != 0:
+        assert time.monotonic() < settled, "the gateway still counts streams in flight"
+        time.sleep(0.5)
+    before = fleet.served()[victim]
+    for n in range(6):
+        fleet_client.completions.create(model="SmolLM2-135M-Instruct", prompt=f"{_document(80 + n)}\nQ: Hi\nA:",
+                                        max_tokens=2)
+    assert fleet.served()[victim] > before, "the thawed worker takes no request"
+
+
 def test_drain_lets_a_stream_finish_and_takes_nothing_new(fleet: Fleet, fleet_client: openai.OpenAI) -> None:
     import threading
 
@@ -339,6 +431,7 @@ def test_drain_lets_a_stream_finish_and_takes_nothing_new(fleet: Fleet, fleet_cl
     index = next(i for i in range(NUM_WORKERS) if fleet.active_streams(i) > 0)
     address = fleet.worker_address(index)
     draining_served = fleet.served()[index]
+    migrations = fleet.gateway_value("taco_llm_router_migrations_total")  # earlier tests migrate streams
     registry = redis.Redis.from_url(fleet.redis.url)
     try:
         assert _registered(registry, address), "the serving worker is not registered"
@@ -369,7 +462,7 @@ def test_drain_lets_a_stream_finish_and_takes_nothing_new(fleet: Fleet, fleet_cl
     thread.join(300)
     _text, completion_tokens, finish = result["value"]  # type: ignore[misc]
     assert finish == "length" and completion_tokens == 160, (finish, completion_tokens)
-    assert fleet.gateway_value("taco_llm_router_migrations_total") == 0, "a drained stream was migrated"
+    assert fleet.gateway_value("taco_llm_router_migrations_total") == migrations, "a drained stream was migrated"
     fleet.wait_rejoined(index)
     assert f"the engine worker {index} exited with code 0" in fleet.process.log.read_text(errors="replace"), \
         "the drained worker did not exit cleanly"

@@ -285,6 +285,62 @@ def test_completion_batch_whole_and_models() -> None:
     assert models["alias"]["parent"] is None and models["alias"]["root"] == "/base"
 
 
+class _PacedCall(_Call):
+    """Plays its messages back one engine step apart, so that each goes out in a chunk of its own."""
+
+    async def read(self) -> object:
+        await asyncio.sleep(0.01)
+        return await super().read()
+
+
+class _PacedStub(_Stub):
+    def Generate(self, request: engine_pb2.GenerateRequest, metadata: object = ()) -> _Call:
+        return _PacedCall(self.messages)
+
+
+def test_streamed_chat_token_ids_include_deltas_that_show_no_text() -> None:
+    """An emoji spans three tokens: the first two show no text yet (the detokenizer holds the partial
+    character back). With return_token_ids their ids are still sent, in a chunk with an empty delta, as
+    vLLM's server sends them: the streamed ids add up to the whole answer's."""
+    ids = [10813, 232, 227, 13]
+    deltas = [("", [ids[0]], 0), ("", [ids[1]], 0), ("\N{PARTY POPPER}", [ids[2]], 0),
+              ("!", [ids[3]], engine_pb2.FINISH_REASON_STOP)]
+    messages = [engine_pb2.GenerateResponse(started=engine_pb2.Started(prompt_token_ids=[1, 2]))]
+    messages += [engine_pb2.GenerateResponse(delta=engine_pb2.Delta(choices=[engine_pb2.ChoiceDelta(
+        index=0, text=text, token_ids=token_ids, finish_reason=reason)])) for text, token_ids, reason in deltas]
+    messages.append(engine_pb2.GenerateResponse(finished=engine_pb2.Finished(
+        usage=engine_pb2.Usage(prompt_tokens=2, completion_tokens=len(ids)))))
+    pool = _serving_pool(messages)
+    pool.clients[0].stub = _PacedStub(messages)  # type: ignore[assignment]
+    chat = ServingChat(EngineCalls(pool), response_role="assistant", token_text=TokenText(as_token_ids=False))
+
+    def run(stream: bool) -> object:
+        body = ChatCompletionRequest.model_validate({
+            "model": "base", "messages": [{"role": "user", "content": "hi"}], "stream": stream,
+            "return_token_ids": True})
+
+        async def create() -> object:
+            response = await chat.create(body, _staying_client())
+            return await _body(response) if stream else response
+
+        return asyncio.run(create())
+
+    raw = run(stream=True)
+    assert isinstance(raw, bytes)
+    chunks = [json.loads(e.removeprefix(b"data: ")) for e in raw.split(b"\n\n")[:-2]]
+    streamed = [t for c in chunks for choice in c["choices"] for t in choice.get("token_ids") or []]
+    whole = run(stream=False)
+    assert isinstance(whole, dict)
+    assert whole["choices"][0]["token_ids"] == ids
+    assert streamed == ids, "the ids of deltas that show no text were dropped"
+    assert "".join(choice["delta"].get("content") or "" for c in chunks for choice in c["choices"]) == \
+        "\N{PARTY POPPER}!"
+    # The first delta goes out alone (a stream's first token is never held back): it shows no text.
+    silent = [choice for c in chunks for choice in c["choices"]
+              if choice.get("token_ids") and not choice["delta"] and choice["finish_reason"] is None]
+    assert silent and silent[0]["token_ids"][0] == ids[0]
+
+
 class _RefusingDetokenize(_Stub):
     """A worker that runs prompts but refuses to turn their token ids back into text."""
 

@@ -118,6 +118,10 @@ class Worker:
     address: str
     load: float = 0.0
     cache_group: str = ""
+    member_id: str = ""
+
+    def __post_init__(self) -> None:
+        self.member_id = self.member_id or self.address
 
 
 def _cache_aware(**kwargs: float) -> CacheAware:
@@ -213,6 +217,38 @@ def test_a_shared_cache_service_counts_at_the_discount() -> None:
     lone.choose([Worker("a:1")], model="m", key=RouteKey(model="m", prefix_text=text))
     assert lone.choose([Worker("b:1", load=1), Worker("c:1")], model="m",
                        key=RouteKey(model="m", prefix_text=text)).reason == "no_match"
+
+
+def test_affinity_belongs_to_the_member_not_the_address() -> None:
+    policy = _cache_aware()
+    text = _text("doc", 8)
+    old = Worker("a:1", member_id="incarnation-1")
+    _send(policy, [old], text)
+    # A new incarnation at the same address holds nothing of the old one's cache.
+    new = Worker("a:1", member_id="incarnation-2")
+    assert policy.choose([new], model="m", key=RouteKey(model="m", prefix_text=text)).prefix_match == 0
+    policy.forget("incarnation-2")
+    assert policy.choose([old], model="m", key=RouteKey(model="m", prefix_text=text)).prefix_match == 1.0
+    policy.forget("incarnation-1")
+    assert policy.choose([old], model="m", key=RouteKey(model="m", prefix_text=text)).prefix_match == 0
+
+
+def test_a_restarted_cache_service_forgets_only_its_shared_index() -> None:
+    policy = _cache_aware()
+    text = _text("shared", 10)
+    a, b = Worker("a:1", cache_group="cache:9"), Worker("b:1", cache_group="cache:9")
+    c, d = Worker("c:1", cache_group="cache:8"), Worker("d:1", cache_group="cache:8")
+    policy.choose([a], model="m", key=RouteKey(model="m", prefix_text=text))
+    policy.choose([c], model="m", key=RouteKey(model="m", prefix_text=text))
+    policy.forget_cache_group("cache:9")
+    # b no longer counts a's prefix as warm through the service; a's own cache still holds it, and the
+    # other service's index is untouched.
+    assert policy.choose([b], model="m", key=RouteKey(model="m", prefix_text=_text("shared", 10))).prefix_match == 0
+    assert policy.choose([a], model="m", key=RouteKey(model="m", prefix_text=text)).prefix_match == 1.0
+    assert policy.choose([d], model="m", key=RouteKey(model="m", prefix_text=text)).prefix_match == \
+        pytest.approx(0.75)
+    for simple in (RoundRobin(), LeastLoad()):
+        simple.forget_cache_group("cache:9")  # nothing to forget
 
 
 def test_round_robin_and_least_load() -> None:
