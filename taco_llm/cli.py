@@ -28,7 +28,7 @@ def serve(argv: Sequence[str]) -> int:
     from taco_llm.gateway.__main__ import parse as check_gateway_args
 
     from .preflight import check_worker_argv
-    from .serve_args import ServeArgsError, parse, worker_environments
+    from .serve_args import ServeArgsError, parse, ports_in_use, worker_environments
     from .supervisor import STOP_GRACE_SECONDS, gateway_model, probe_host, probe_ssl_context
     from .supervisor import serve as run
 
@@ -50,6 +50,11 @@ def serve(argv: Sequence[str]) -> int:
     redis_problem = check_lookahead_redis(args.lookahead_redis, args.num_workers)
     if redis_problem:
         print(f"taco_llm serve: error: {redis_problem}", file=sys.stderr)
+        return 2
+    taken = ports_in_use(args)
+    if taken:  # now, rather than from a worker once its engine has loaded
+        for problem in taken:
+            print(f"taco_llm serve: error: {problem}", file=sys.stderr)
         return 2
     specs = child_specs(args, environments)
     scheme = "https" if args.ssl_certfile else "http"
@@ -82,8 +87,8 @@ def child_specs(args: ServeArgs, environments: list[dict[str, str]]) -> list[Chi
         specs.append(ChildSpec("cache service", "cache", [python, "-m", "taco_llm.cache_service", *cache_argv]))
         shared = ["--cache-service", f"127.0.0.1:{args.cache_service_port}"]
     workers: list[list[str]] = []
-    for i in range(args.num_workers):
-        argv = [*args.worker_argv, "--grpc-host", args.grpc_host, "--grpc-port", str(args.grpc_port + i), *shared]
+    for i, port in enumerate(args.grpc_ports):
+        argv = [*args.worker_argv, "--grpc-host", args.grpc_host, "--grpc-port", str(port), *shared]
         if args.metrics_port is not None:
             argv += ["--metrics-port", str(args.metrics_port + i)]
         workers.append(argv)
@@ -94,7 +99,7 @@ def child_specs(args: ServeArgs, environments: list[dict[str, str]]) -> list[Chi
     for i, argv in enumerate(workers):
         name = "engine worker" if args.num_workers == 1 else f"engine worker {i}"
         specs.append(ChildSpec(name, "worker", [python, "-m", "taco_llm.engine_worker", *argv], env=environments[i],
-                               health_address=f"{probe_host(args.grpc_host)}:{args.grpc_port + i}"))
+                               health_address=f"{probe_host(args.grpc_host)}:{args.grpc_ports[i]}"))
     specs.append(ChildSpec("gateway", "gateway", [python, "-m", "taco_llm.gateway", *gateway_argv(args)]))
     return specs
 
@@ -153,7 +158,7 @@ def gateway_argv(args: ServeArgs) -> list[str]:
         # count each worker twice. The registry alone then says who is in the fleet.
         return list(args.gateway_argv)
     host = probe_host(args.grpc_host)
-    engines = [item for i in range(args.num_workers) for item in ("--engine", f"{host}:{args.grpc_port + i}")]
+    engines = [item for port in args.grpc_ports for item in ("--engine", f"{host}:{port}")]
     return [*engines, *args.gateway_argv]
 
 

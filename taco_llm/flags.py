@@ -202,7 +202,10 @@ FLAGS: list[Flag] = [
        "prompts stay out of the shared index; a request still drafts from its own prompt"),
     _f("--enable-prefix-cache-offload", "taco", "switch", "offload prefix cache blocks to CPU",
        "prefix-KV blocks kept in the cache service's host memory (a vLLM KV connector) and loaded back on a "
-       "later hit, by any worker; serve starts a cache service unless --cache-service HOST:PORT names one"),
+       "later hit, by any worker; serve starts a cache service unless --cache-service HOST:PORT names one. "
+       "On CPU it sets VLLM_CPU_NUM_OF_RESERVED_CPU (unless set) to the cores vLLM reserves without a KV "
+       "connector, so the engine keeps its OpenMP threads and its bfloat16 output (vLLM then warns the value "
+       "is below its minimum: expected)"),
     _f("--apc-offload-not-lazy", "taco", "switch", "load offloaded blocks before the forward pass",
        "load offloaded blocks completely before the forward pass (default: layer by layer while it runs)"),
     _f("--apc-offload-min-access-threshold", "cache", "value", "uses before a block is offloaded",

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
 import importlib.metadata
 import json
 import os
+import random
+import socket
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -32,19 +35,27 @@ _SPECULATIVE_KEYS = {
     "--ngram-prompt-lookup-min": ("prompt_lookup_min", int),
 }
 _NO_BACKEND_DEVICES = {"neuron", "openvino", "tpu", "xpu"}
-DEFAULT_CACHE_SERVICE_PORT = 50052
+# Where serve draws the ports it picks itself (no --grpc-port, no --cache-service-port): above the ports
+# services are commonly given (Redis 6379, Prometheus 9090, ...), and outside the kernel's ephemeral range
+# (EPHEMERAL_PORTS_FILE), which outgoing connections take ports from during the minute a worker loads its
+# engine before it binds.
+PICKED_PORTS = range(20000, 65536)
+# The flags serve picks a free port for when they are not given.
+PICKED_FLAGS = ("--grpc-port", "--cache-service-port")
+EPHEMERAL_PORTS_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 
 
 class ServeArgsError(ValueError):
     """Flags that cannot be honoured; each line names its flag."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ServeArgs:
     gateway_argv: list[str]
     worker_argv: list[str]
     grpc_host: str
-    grpc_port: int
+    # Worker i's gRPC port: --grpc-port + i, or, without --grpc-port, free ports serve picked.
+    grpc_ports: list[int]
     host: str
     port: int
     ready_timeout: float
@@ -54,12 +65,12 @@ class ServeArgs:
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     # The cache service serve starts (prefix-KV offload on, no --cache-service given): its flags and
-    # port; None when none is started.
+    # port (--cache-service-port, or a free one serve picked); None and 0 when none is started.
     cache_service_argv: list[str] | None = None
-    cache_service_port: int = 50052
+    cache_service_port: int = 0
     # --disable-frontend-multiprocessing: the worker and the gateway in one process.
     single_process: bool = False
-    # --num-workers: worker i listens on grpc_port + i (and metrics_port + i, when set).
+    # --num-workers: worker i listens on grpc_ports[i] (and metrics_port + i, when set).
     num_workers: int = 1
     metrics_port: int | None = None
     # Devices one worker's engine spans (tensor x pipeline parallel): each worker gets that many GPUs.
@@ -116,8 +127,9 @@ def _parser_and_flags() -> tuple[argparse.ArgumentParser, frozenset[str]]:
     serve = parser.add_argument_group("taco_llm serve")
     actions += [
         serve.add_argument("--grpc-host", default="127.0.0.1", help="where the engine worker's gRPC service listens"),
-        serve.add_argument("--grpc-port", type=int, default=50051,
-                           help="the engine worker's gRPC port (worker i of --num-workers: this + i)"),
+        serve.add_argument("--grpc-port", type=int, default=None,
+                           help="the engine worker's gRPC port (worker i of --num-workers: this + i); default: "
+                           "free ports serve picks, so that serves on one machine never meet (printed once ready)"),
         serve.add_argument("--cache-service", default=None, metavar="HOST:PORT",
                            help="a running cache service (taco_llm cache-service) for the worker; with "
                            "--enable-prefix-cache-offload and none given, serve starts one"),
@@ -130,8 +142,7 @@ def _parser_and_flags() -> tuple[argparse.ArgumentParser, frozenset[str]]:
                            "keeps its append-only file in DIR, so the index outlives a restart of serve (default: "
                            "nothing kept)"),
         serve.add_argument("--cache-service-port", type=int, default=None,
-                           help=f"the port of the cache service serve starts (default {DEFAULT_CACHE_SERVICE_PORT}, "
-                           "or the first port after the workers' when they would take it)"),
+                           help="the port of the cache service serve starts (default: a free port serve picks)"),
         serve.add_argument("--ready-timeout", type=float, default=900.0,
                            help="seconds to wait for the engine to become ready before giving up"),
         serve.add_argument("--num-workers", type=int, default=1,
@@ -358,10 +369,12 @@ def parse(argv: Sequence[str]) -> ServeArgs:
     errors += serve_refusals(extra, starts_cache_service=cache_service_argv is not None)
     if errors:
         raise ServeArgsError("\n".join(errors))
-    cache_service_port = _ports(namespace, port, needs_cache_service=cache_service_argv is not None)
-    return ServeArgs(gateway_argv, worker_argv + extra, namespace.grpc_host, namespace.grpc_port, host, port,
-                     namespace.ready_timeout, warnings, probe_key, given.get("--ssl-certfile"),
-                     given.get("--ssl-keyfile"), cache_service_argv, cache_service_port,
+    grpc_ports, cache_service_port = _ports(namespace, port, needs_cache_service=cache_service_argv is not None)
+    return ServeArgs(gateway_argv=gateway_argv, worker_argv=worker_argv + extra, grpc_host=namespace.grpc_host,
+                     grpc_ports=grpc_ports, host=host, port=port, ready_timeout=namespace.ready_timeout,
+                     warnings=warnings, api_key=probe_key, ssl_certfile=given.get("--ssl-certfile"),
+                     ssl_keyfile=given.get("--ssl-keyfile"), cache_service_argv=cache_service_argv,
+                     cache_service_port=cache_service_port,
                      single_process=bool(given.get("--disable-frontend-multiprocessing")),
                      num_workers=namespace.num_workers, metrics_port=namespace.metrics_port,
                      devices_per_worker=per_worker, shutdown_timeout=float(namespace.shutdown_timeout or 0),
@@ -397,22 +410,19 @@ def _devices_per_worker(given: dict[str, Any], errors: list[str]) -> int:
     return devices
 
 
-def _ports(namespace: argparse.Namespace, port: int, *, needs_cache_service: bool) -> int:
-    """Checks that every port serve's processes take is a TCP port and taken once, and returns the cache
-    service's: its default moves past the workers' ports when --num-workers would reach it."""
+def _ports(namespace: argparse.Namespace, port: int, *, needs_cache_service: bool) -> tuple[list[int], int]:
+    """The workers' gRPC ports and the cache service's (0 when serve starts none). Those given are checked:
+    TCP ports, each taken once. Those not given are picked free, clear of those given: a second serve on the
+    machine would otherwise take the first one's ports, and its health probe would find the first one's
+    worker there."""
     workers = namespace.num_workers
-    ranges: list[tuple[str, range]] = [("--port", range(port, port + 1)),
-                                       ("--grpc-port", range(namespace.grpc_port, namespace.grpc_port + workers))]
+    ranges: list[tuple[str, range]] = [("--port", range(port, port + 1))]
+    if namespace.grpc_port is not None:
+        ranges.append(("--grpc-port", range(namespace.grpc_port, namespace.grpc_port + workers)))
     if namespace.metrics_port is not None:
         ranges.append(("--metrics-port", range(namespace.metrics_port, namespace.metrics_port + workers)))
-    cache_port = namespace.cache_service_port
-    if cache_port is None:
-        taken = {p for _, r in ranges for p in r}
-        cache_port = DEFAULT_CACHE_SERVICE_PORT
-        while needs_cache_service and cache_port in taken:
-            cache_port += 1
-    if needs_cache_service or namespace.cache_service_port is not None:
-        ranges.append(("--cache-service-port", range(cache_port, cache_port + 1)))
+    if namespace.cache_service_port is not None:
+        ranges.append(("--cache-service-port", range(namespace.cache_service_port, namespace.cache_service_port + 1)))
     for name, numbers in ranges:
         if numbers.start < 1 or numbers.stop > 65536:
             more = f" (worker {workers - 1} would take {numbers.stop - 1})" if len(numbers) > 1 else ""
@@ -424,7 +434,75 @@ def _ports(namespace: argparse.Namespace, port: int, *, needs_cache_service: boo
                 each = f" (with --num-workers {workers}, worker i takes the port + i)" if workers > 1 else ""
                 raise ServeArgsError(f"{name} {numbers.start} and {other} {other_numbers.start} both take "
                                      f"port {shared[0]}{each}")
-    return cache_port
+    taken = {p for _, numbers in ranges for p in numbers}
+    if namespace.grpc_port is not None:
+        grpc_ports = list(range(namespace.grpc_port, namespace.grpc_port + workers))
+    else:
+        grpc_ports = free_ports(namespace.grpc_host, workers, avoid=taken, flag="--grpc-port")
+        taken.update(grpc_ports)
+    cache_port = namespace.cache_service_port or 0
+    if needs_cache_service and not cache_port:
+        cache_port = free_ports("127.0.0.1", 1, avoid=taken, flag="--cache-service-port")[0]  # where it listens
+    return grpc_ports, cache_port
+
+
+def _ephemeral_ports() -> range:
+    try:
+        with open(EPHEMERAL_PORTS_FILE) as file:
+            low, high = (int(number) for number in file.read().split())
+    except (OSError, ValueError):
+        return range(0)  # not Linux: no range to keep clear of
+    return range(low, high + 1)
+
+
+def port_taken(host: str, port: int) -> bool:
+    """Whether a process listens on port at host (binding there fails with "address in use"). Any other
+    failure (a host that does not resolve, an address not on this machine) says nothing about the port: the
+    process that binds there reports it, naming its flag."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except (OSError, UnicodeError):
+        return False
+    with socket.socket(family, kind, proto) as probe:
+        # As every server here binds: a port in TIME_WAIT after a previous run is free to them.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as error:
+            return error.errno == errno.EADDRINUSE
+    return False
+
+
+def free_ports(host: str, count: int, *, avoid: set[int], flag: str) -> list[int]:
+    """count different ports nothing listens on at host, none of them in avoid, drawn at random from
+    PICKED_PORTS outside the kernel's ephemeral range (two serves started together then meet only by a
+    rare chance, and the loser stops with its worker's bind error rather than finding the other's worker)."""
+    ephemeral = _ephemeral_ports()
+    candidates = [p for p in PICKED_PORTS if p not in ephemeral] or list(PICKED_PORTS)
+    chosen: list[int] = []
+    draw = random.Random()
+    for _ in range(1000):
+        port = draw.choice(candidates)
+        if port not in avoid and port not in chosen and not port_taken(host, port):
+            chosen.append(port)
+            if len(chosen) == count:
+                return chosen
+    raise ServeArgsError(f"{flag}: found no {count} free port(s) on {host} to pick; give {flag}")
+
+
+def ports_in_use(args: ServeArgs) -> list[str]:
+    """The ports given to serve that another process listens on already, each named by its flag. Checked
+    before anything starts: a worker would find out only once its engine has loaded, a minute on."""
+    wanted: list[tuple[str, int, str]] = [("--port", args.port, args.host)]
+    wanted += [("--grpc-port", port, args.grpc_host) for port in args.grpc_ports]
+    if args.metrics_port is not None:
+        wanted += [("--metrics-port", args.metrics_port + i, args.grpc_host) for i in range(args.num_workers)]
+    if args.cache_service_argv is not None:
+        wanted.append(("--cache-service-port", args.cache_service_port, "127.0.0.1"))
+    return [f"{flag}: port {port} on {host} is in use by another process (another taco_llm serve?); "
+            f"choose another{' or leave the flag out: serve then picks free ports' if flag in PICKED_FLAGS else ''}"
+            for flag, port, host in wanted if port_taken(host, port)]
 
 
 def _cache_service(given: dict[str, Any], namespace: argparse.Namespace, cache_argv: list[str],

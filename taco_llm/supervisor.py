@@ -2,12 +2,17 @@
 started together, watched, restarted or stopped.
 
 What the supervisor runs is a list of ChildSpec: cli.py builds the real ones, tests give it stand-ins.
+- A worker is ready once its health service says SERVING and the process answering is the worker serve
+  started: a port held by another process (another serve's worker) answers too, and must not pass for it.
 - A worker that dies once it has served is restarted with backoff on its own port; the gateway
   health-checks that address, so the worker rejoins by itself. A worker that exits before it ever
   served (a bad flag, a port in use, a model that does not load) would only fail again: serve stops.
-- The gateway dying stops serve; the cache service is restarted (losing it costs no request).
+- The gateway dying stops serve; the cache service is restarted with the workers' backoff (losing it
+  costs no request), and stops serve when it keeps failing quickly.
 - On SIGTERM or SIGINT: the gateway first (it finishes its streams), then the workers (they drain),
   then the cache service; each process group is killed once its leader is gone, so nothing is left.
+  A second signal hurries the stop: the children being stopped, and those stopped after them, are told
+  to stop now (the workers stop draining).
 - When serve stops on a failure, its last line, printed once every child has stopped (after the
   gateway's own shutdown lines), says which process failed and why: the reason the child wrote to
   its EXIT_REASON_ENV file (preflight.report_exit_reason), when it wrote one.
@@ -39,9 +44,15 @@ from .preflight import EXIT_REASON_ENV
 
 # How long a child has to stop after SIGTERM before SIGKILL; workers get their drain time on top.
 STOP_GRACE_SECONDS = 20.0
-CACHE_SERVICE_RESTARTS = 10
 PROBE_TIMEOUT_SECONDS = 1.0
 POLL_SECONDS = 0.25
+STOP_POLL_SECONDS = 0.05
+# What hurries a child already stopping. The worker takes any second signal as "stop draining now", but
+# uvicorn (the gateway) takes only a second SIGINT as "exit now"; SIGINT is both.
+HURRY_SIGNAL = signal.SIGINT
+# The hurry goes this long after the SIGTERM that starts a child's stop: two signals pending at once reach a
+# process lowest number first (SIGINT before SIGTERM), and uvicorn would take that SIGINT for the first.
+HURRY_AFTER_SECONDS = 0.2
 
 Role = Literal["cache", "worker", "gateway"]
 # Stopped in this order.
@@ -60,12 +71,15 @@ class ChildSpec:
 
 @dataclass(frozen=True)
 class RestartPolicy:
-    """A restarted worker waits first_delay, doubling on each quick failure up to max_delay; a worker
-    that served for healthy_after seconds starts over from first_delay."""
+    """A restarted worker or cache service waits first_delay, doubling on each quick failure up to
+    max_delay; one that ran healthily for healthy_after seconds (a worker: from its SERVING) starts over
+    from first_delay. A cache service that fails quickly max_cache_restarts times in a row stops serve:
+    it would only fail again. A worker has no such limit, as it has served."""
 
     first_delay: float = 1.0
     max_delay: float = 30.0
     healthy_after: float = 60.0
+    max_cache_restarts: int = 10
 
 
 @dataclass
@@ -76,8 +90,11 @@ class Child:
     ready_at: float | None = None  # when this run answered SERVING
     ever_ready: bool = False
     restarts: int = 0
+    quick_restarts: int = 0  # in a row, each after a run shorter than RestartPolicy.healthy_after
     delay: float = 0.0  # the last restart's wait
     restart_at: float | None = None
+    # Said once per run: the health probe was answered by a process other than this child.
+    told_of_other_listener: bool = False
 
 
 def _die_with_parent() -> None:
@@ -135,6 +152,32 @@ def gateway_model(base_url: str, api_key: str | None = None, ssl_context: ssl.SS
         return None
 
 
+def listens_on(pid: int, port: int) -> bool | None:
+    """Whether the process pid, or one of its descendants, holds a listening TCP socket on port; None
+    when the system will not say (no psutil, or /proc hidden from us)."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    try:
+        root = psutil.Process(pid)
+        family = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return None
+    for process in family:
+        try:
+            connections = process.net_connections(kind="tcp")
+        except psutil.NoSuchProcess:
+            continue  # an engine process that has just ended holds nothing
+        except psutil.AccessDenied:
+            return None
+        if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in connections):
+            return True
+    return False
+
+
 def grpc_serving(address: str, timeout: float = PROBE_TIMEOUT_SECONDS) -> bool:
     """Whether the gRPC health service at address says SERVING: a worker says so once its engine runs.
     Asked of the worker itself, not through the gateway, which may route around a worker it finds down."""
@@ -152,16 +195,37 @@ class Supervisor:
         self.children = [Child(spec) for spec in specs]
         self.stop_grace = stop_grace
         self.restart = restart or RestartPolicy()
-        self.stopping = False
-        self.cache_restarts = 0
+        # SIGTERM and SIGINT as they came; the handler only records them (printing from a handler could
+        # interrupt a print of the main code on the same stream), and the loops act on them.
+        self.signals: list[int] = []
+        self.signals_told = 0
         # Why serve stops, when it stops on a failure: printed last, once everything has stopped.
         self.failure: str | None = None
         self.reasons = tempfile.mkdtemp(prefix="taco_llm_serve_")
 
+    @property
+    def stopping(self) -> bool:
+        return bool(self.signals)
+
+    @property
+    def hurried(self) -> bool:
+        """A second signal came: what is being stopped is to stop now."""
+        return len(self.signals) > 1
+
     def _on_signal(self, signum: int, _: FrameType | None) -> None:
-        if not self.stopping:
-            print(f"taco_llm: {signal.Signals(signum).name} received, shutting down", flush=True)
-        self.stopping = True
+        self.signals.append(signum)
+
+    def tell_signals(self) -> None:
+        """Says what the signals received so far do, once each for the first two."""
+        for signum in self.signals[self.signals_told:2]:
+            name = signal.Signals(signum).name
+            if self.signals_told == 0:
+                print(f"taco_llm: {name} received, shutting down (a second one stops without waiting for "
+                      "streams)", flush=True)
+            else:
+                print(f"taco_llm: {name} received again: hurrying the stop (the gateway and the workers stop "
+                      "without finishing their streams)", flush=True)
+            self.signals_told += 1
 
     def install_signal_handlers(self) -> None:
         signal.signal(signal.SIGINT, self._on_signal)
@@ -194,6 +258,7 @@ class Supervisor:
         child.started = time.monotonic()
         child.ready_at = None
         child.restart_at = None
+        child.told_of_other_listener = False
         return process.pid
 
     def describe(self) -> str:
@@ -223,7 +288,17 @@ class Supervisor:
 
     def _probe(self, child: Child) -> None:
         address = child.spec.health_address
-        if child.ready_at is not None or address is None or not grpc_serving(address):
+        if child.ready_at is not None or address is None or child.process is None or not grpc_serving(address):
+            return
+        # SERVING from whoever holds the port is not enough: another serve's worker there answers too, while
+        # this one (still loading its engine) has yet to find that it cannot bind. The listener must be ours.
+        # (Workers bind without SO_REUSEPORT, so no other process can share the port with ours.)
+        port = int(address.rsplit(":", 1)[1])
+        if listens_on(child.process.pid, port) is False:
+            if not child.told_of_other_listener:
+                child.told_of_other_listener = True
+                print(f"taco_llm: {address} answers SERVING, but not from the {child.spec.name} (pid "
+                      f"{child.process.pid}): another process holds its port", flush=True)
             return
         child.ready_at = time.monotonic()
         again = " again" if child.ever_ready else ""
@@ -235,23 +310,27 @@ class Supervisor:
         now = time.monotonic()
         name, how = child.spec.name, _exit_text(code)
         failure = code if code > 0 else 1
-        if child.spec.role == "cache" and self.cache_restarts < CACHE_SERVICE_RESTARTS:
-            # Losing the cache service costs no request (workers recompute and reconnect): it is restarted,
-            # empty, rather than taking serve down.
-            self.cache_restarts += 1
-            print(f"taco_llm: the {name} exited with {how}; restarting it", flush=True)
-            child.restart_at = now
-            return None
         reason = self._reason(child)
         why = f": {reason}" if reason else ""
-        if child.spec.role != "worker":
+        policy = self.restart
+        if child.spec.role == "worker":
+            if not child.ever_ready:
+                self.failure = f"the {name} exited with {how} before it ever became ready{why}"
+                return failure
+            healthy_since = child.ready_at
+        elif child.spec.role == "cache":
+            # Losing the cache service costs no request (workers recompute and reconnect): it is restarted,
+            # empty, rather than taking serve down; it has no readiness probe, so its health is its uptime.
+            healthy_since = child.started
+        else:
             self.failure = f"the {name} exited with {how}{why}"
             return failure
-        if not child.ever_ready:
-            self.failure = f"the {name} exited with {how} before it ever became ready{why}"
+        served_long = healthy_since is not None and now - healthy_since >= policy.healthy_after
+        child.quick_restarts = 0 if served_long else child.quick_restarts + 1
+        if child.spec.role == "cache" and child.quick_restarts > policy.max_cache_restarts:
+            self.failure = (f"the {name} exited with {how}{why} (restarted {policy.max_cache_restarts} times in a "
+                            f"row, each run shorter than {policy.healthy_after:g}s)")
             return failure
-        policy = self.restart
-        served_long = child.ready_at is not None and now - child.ready_at >= policy.healthy_after
         child.delay = policy.first_delay if served_long or not child.delay else min(child.delay * 2, policy.max_delay)
         child.restarts += 1
         child.restart_at = now + child.delay
@@ -265,18 +344,27 @@ class Supervisor:
             self._stop([c for c in self.children if c.spec.role == role])
 
     def _stop(self, children: list[Child]) -> None:
-        running = [c for c in children if c.process is not None]
-        for child in running:
-            if child.process is not None and child.process.poll() is None:
-                child.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.stop_grace
-        for child in running:
-            process = child.process
-            if process is None:
-                continue
-            try:
-                process.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+        processes = [(c, c.process) for c in children if c.process is not None]
+        for _, process in processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        deadline = signalled + self.stop_grace
+        hurried: set[int] = set()
+        while True:
+            self.tell_signals()
+            running = [process for _, process in processes if process.poll() is None]
+            now = time.monotonic()
+            if not running or now >= deadline:
+                break
+            if self.hurried and now - signalled >= HURRY_AFTER_SECONDS:
+                for process in running:
+                    if process.pid not in hurried:
+                        hurried.add(process.pid)
+                        process.send_signal(HURRY_SIGNAL)
+            time.sleep(STOP_POLL_SECONDS)
+        for child, process in processes:
+            if process.poll() is None:
                 print(f"taco_llm: the {child.spec.name} did not stop in {self.stop_grace:.0f}s; killing it",
                       flush=True)
             _kill_group(process.pid)
@@ -314,6 +402,7 @@ def serve(specs: Sequence[ChildSpec], *, gateway_ready: Callable[[], str | None]
                 break
             time.sleep(POLL_SECONDS)
     finally:
+        supervisor.tell_signals()
         supervisor.stop()
         shutil.rmtree(supervisor.reasons, ignore_errors=True)
     if supervisor.failure is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -80,3 +81,20 @@ def test_serve_stops_when_a_worker_cannot_start() -> None:
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_serve_refuses_ports_in_use_at_once() -> None:
+    """Ports given to serve that another process listens on (another serve's gateway and worker) are
+    refused before anything starts, each naming its flag, rather than by a worker once its engine has
+    loaded. (--ready-timeout bounds the run should serve start its processes after all.)"""
+    with socket.socket() as gateway, socket.socket() as worker:
+        for held in (gateway, worker):
+            held.bind(("127.0.0.1", 0))
+            held.listen()
+        port, grpc_port = gateway.getsockname()[1], worker.getsockname()[1]
+        run = _run("serve", "--port", str(port), "--grpc-port", str(grpc_port), "--ready-timeout", "20")
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert f"--port: port {port} on 127.0.0.1 is in use by another process" in run.stderr
+    assert f"--grpc-port: port {grpc_port} on 127.0.0.1 is in use by another process" in run.stderr
+    assert "leave the flag out: serve then picks free ports" in run.stderr
+    assert run.stdout == "" and "Traceback" not in run.stderr, run.stdout + run.stderr

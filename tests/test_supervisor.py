@@ -3,15 +3,21 @@ start, the stop order, nothing left running; and how serve's flags become its ch
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
+from concurrent import futures
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from taco_llm.cli import child_specs, gateway_argv
 from taco_llm.serve_args import ServeArgsError, parse, split_devices
@@ -20,22 +26,31 @@ from .support import ROOT, free_port
 
 # A worker: serves gRPC health (SERVING) on its port, records its pid and a grandchild's (a process of
 # its group, as vLLM's engine core is), exits with EXIT after LIFETIME seconds (never when negative),
-# and records SIGTERM; IGNORE_TERM makes it ignore SIGTERM. Without a port, it is a gateway or cache.
+# and records each SIGTERM or SIGINT. ON_SIGNAL: "exit" (the default), "ignore", or "drain": the first
+# signal starts a drain that never ends by itself, a second one ends it (as the real worker's and
+# uvicorn's second signal does). BIND_AFTER: seconds before the port is bound, as the real worker binds
+# only once its engine has loaded; a port it cannot bind ends it as the real worker ends (code 1, the
+# reason named). Without a port, it is a gateway or cache.
 STAND_IN = """
-import signal, subprocess, sys, time
+import os, signal, subprocess, sys, time
 from concurrent import futures
 name, log, port, lifetime, code = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])
-ignore_term = sys.argv[6] == "1"
+on_signal = sys.argv[6]
+bind_after = float(sys.argv[7]) if len(sys.argv) > 7 else 0.0
 def record(what):
     with open(log, "a") as file:
         file.write(f"{name} {what}\\n")
 grandchild = subprocess.Popen(["sleep", "600"])
-record(f"pids {__import__('os').getpid()} {grandchild.pid}")
-def on_term(signum, frame):
-    record("sigterm")
-    if not ignore_term:
+record(f"pids {os.getpid()} {grandchild.pid}")
+signals = []
+def on_stop(signum, frame):
+    signals.append(signum)
+    record(signal.Signals(signum).name.lower())
+    if on_signal == "exit" or (on_signal == "drain" and len(signals) > 1):
         sys.exit(0)
-signal.signal(signal.SIGTERM, on_term)
+signal.signal(signal.SIGTERM, on_stop)
+signal.signal(signal.SIGINT, on_stop)
+record(f"started {time.monotonic()}")
 if lifetime == 0:  # cannot start: says why, as the real worker does (preflight.report_exit_reason)
     from taco_llm.preflight import report_exit_reason
     report_exit_reason(f"--stand-in-flag: {name} cannot start")
@@ -43,11 +58,17 @@ if lifetime == 0:  # cannot start: says why, as the real worker does (preflight.
 if port:
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-    server = grpc.server(futures.ThreadPoolExecutor(2))
+    time.sleep(bind_after)
+    server = grpc.server(futures.ThreadPoolExecutor(2), options=[("grpc.so_reuseport", 0)])
     servicer = health.HealthServicer()
     servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
+    try:
+        server.add_insecure_port(f"127.0.0.1:{port}")
+    except RuntimeError as error:
+        from taco_llm.preflight import report_exit_reason
+        report_exit_reason(f"--grpc-host/--grpc-port: cannot listen on 127.0.0.1:{port} ({error})")
+        sys.exit(1)
     server.start()
 deadline = time.monotonic() + (lifetime if lifetime > 0 else 3600)
 while time.monotonic() < deadline:
@@ -55,13 +76,16 @@ while time.monotonic() < deadline:
 sys.exit(code)
 """
 
-# Runs the supervisor over specs given as JSON, with a fast restart policy and a short grace period.
+# Runs the supervisor over specs given as JSON, with a fast restart policy and a short grace period (or
+# the one given after the specs).
 DRIVER = """
 import json, sys
 from taco_llm.supervisor import ChildSpec, RestartPolicy, serve
 specs = [ChildSpec(**spec) for spec in json.loads(sys.argv[1])]
+stop_grace = float(sys.argv[2]) if len(sys.argv) > 2 else 2.0
 sys.exit(serve(specs, gateway_ready=lambda: "stand-in", base_url="http://stand-in", ready_timeout=60,
-               stop_grace=2, restart=RestartPolicy(first_delay=0.5, max_delay=2, healthy_after=60)))
+               stop_grace=stop_grace, restart=RestartPolicy(first_delay=0.5, max_delay=2, healthy_after=60,
+                                                     max_cache_restarts=4)))
 """
 
 
@@ -77,14 +101,14 @@ class Fleet:
         self.log.touch()
 
     def spec(self, name: str, role: str, *, port: int = 0, lifetime: float = -1, code: int = 0,
-             ignore_term: bool = False) -> dict[str, object]:
+             on_signal: str = "exit", bind_after: float = 0.0) -> dict[str, object]:
         argv = [sys.executable, str(self.script), name, str(self.log), str(port), str(lifetime), str(code),
-                "1" if ignore_term else "0"]
+                on_signal, str(bind_after)]
         return {"name": name, "role": role, "argv": argv,
                 "health_address": f"127.0.0.1:{port}" if role == "worker" else None}
 
-    def start(self, specs: list[dict[str, object]]) -> subprocess.Popen[str]:
-        return subprocess.Popen([sys.executable, str(self.driver), json.dumps(specs)], cwd=ROOT,
+    def start(self, specs: list[dict[str, object]], *, stop_grace: float = 2.0) -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, str(self.driver), json.dumps(specs), str(stop_grace)], cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
     def lines(self) -> list[str]:
@@ -180,7 +204,7 @@ def test_a_worker_that_cannot_start_stops_everything(tmp_path: Path) -> None:
 
 def test_the_gateway_dying_stops_serve_and_a_stubborn_child_is_killed(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path)
-    process = fleet.start([fleet.spec("engine worker", "worker", port=free_port(), ignore_term=True),
+    process = fleet.start([fleet.spec("engine worker", "worker", port=free_port(), on_signal="ignore"),
                            fleet.spec("gateway", "gateway", lifetime=1.5, code=5)])
     try:
         code = process.wait(30)
@@ -191,6 +215,154 @@ def test_the_gateway_dying_stops_serve_and_a_stubborn_child_is_killed(tmp_path: 
     assert code == 5, out
     assert out.strip().splitlines()[-1] == "taco_llm serve: error: the gateway exited with code 5; stopped", out
     assert "the engine worker did not stop in 2s; killing it" in out
+    _assert_nothing_left(fleet)
+
+
+def _serving_elsewhere(port: int) -> grpc.Server:
+    """Another stack's worker on port: a gRPC health service that says SERVING, in this test's process."""
+    server = grpc.server(futures.ThreadPoolExecutor(2), options=[("grpc.so_reuseport", 0)])
+    servicer = health.HealthServicer()
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    return server
+
+
+def test_a_worker_whose_port_another_process_serves_on_stops_serve_with_its_bind_error(tmp_path: Path) -> None:
+    """A second serve beside a running one: its worker's port is held by the other stack's worker, which
+    answers the health probe SERVING. Readiness is the worker serve started, not whoever holds its port:
+    the worker fails to bind and serve stops with that error instead of restarting it for ever."""
+    fleet = Fleet(tmp_path)
+    port = free_port()
+    other = _serving_elsewhere(port)
+    try:
+        # Binds after 3 s, as the real worker binds once its engine has loaded: the probe meanwhile reaches
+        # the other stack's worker.
+        process = fleet.start([fleet.spec("engine worker", "worker", port=port, bind_after=3),
+                               fleet.spec("gateway", "gateway")])
+        try:
+            code = process.wait(30)
+            assert process.stdout is not None
+            out = process.stdout.read()
+        finally:
+            process.kill()
+    finally:
+        other.stop(0)
+    assert code == 1, out
+    assert "restarting" not in out and "is ready" not in out, out
+    assert f"127.0.0.1:{port} answers SERVING, but not from the engine worker" in out, out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("taco_llm serve: error: the engine worker exited with code 1 before it ever became "
+                           f"ready: --grpc-host/--grpc-port: cannot listen on 127.0.0.1:{port}"), out
+    _assert_nothing_left(fleet)
+
+
+def test_serve_without_grpc_port_takes_free_ports_apart_from_another_serve() -> None:
+    """Two serves on one machine, neither given --grpc-port (nor --cache-service-port): the second one's
+    workers and cache service get ports of their own, not the first one's, which its processes hold."""
+    flags = ["--num-workers", "2", "--enable-prefix-cache-offload"]
+    first = parse(flags)
+    first_ports = [*first.grpc_ports, first.cache_service_port]
+    assert len(set(first_ports)) == 3 and first.port not in first_ports
+    held = []
+    try:
+        for port in first_ports:  # the first serve's processes listen there
+            listener = socket.socket()
+            listener.bind(("127.0.0.1", port))
+            listener.listen()
+            held.append(listener)
+        second = parse(flags)
+    finally:
+        for listener in held:
+            listener.close()
+    second_ports = [*second.grpc_ports, second.cache_service_port]
+    assert len(set(second_ports)) == 3 and not set(second_ports) & set(first_ports), (first_ports, second_ports)
+    workers = [spec for spec in child_specs(second, [{}, {}]) if spec.role == "worker"]
+    assert [spec.health_address for spec in workers] == [f"127.0.0.1:{port}" for port in second.grpc_ports]
+    assert gateway_argv(second)[:4] == ["--engine", f"127.0.0.1:{second.grpc_ports[0]}",
+                                        "--engine", f"127.0.0.1:{second.grpc_ports[1]}"]
+    # Given, --grpc-port keeps its meaning: worker i on --grpc-port + i.
+    assert parse(["--num-workers", "2", "--grpc-port", "6000"]).grpc_ports == [6000, 6001]
+
+
+def _restart_delays(out: str, name: str) -> list[float]:
+    return [float(delay) for delay in re.findall(rf"the {name} exited .*; restarting it in ([0-9.]+)s", out)]
+
+
+def test_a_cache_service_that_keeps_exiting_is_restarted_with_growing_delays(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    process = fleet.start([fleet.spec("cache service", "cache", lifetime=0.1, code=1),
+                           fleet.spec("engine worker", "worker", port=free_port()),
+                           fleet.spec("gateway", "gateway")])
+    try:
+        out = _read_until(process, "restarting it in 2s (restart 4)")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+    finally:
+        process.kill()
+    assert _restart_delays(out, "cache service") == [0.5, 1, 2, 2], out
+    # And it waited them: each start of the cache service comes later than the one before by at least the
+    # delay, and its 0.1 s of life.
+    starts = [float(line.split()[-1]) for line in fleet.lines() if line.startswith("cache service started")]
+    gaps = [later - earlier for earlier, later in itertools.pairwise(starts)]
+    assert len(gaps) >= 3 and all(gap >= delay for gap, delay in zip(gaps, [0.5, 1, 2], strict=False)), gaps
+    _assert_nothing_left(fleet)
+
+
+def test_a_cache_service_that_never_stays_up_stops_serve_with_its_reason(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    process = fleet.start([fleet.spec("cache service", "cache", lifetime=0, code=4),
+                           fleet.spec("engine worker", "worker", port=free_port()),
+                           fleet.spec("gateway", "gateway")])
+    try:
+        code = process.wait(60)
+        assert process.stdout is not None
+        out = process.stdout.read()
+    finally:
+        process.kill()
+    assert code == 4, out
+    assert out.strip().splitlines()[-1] == (
+        "taco_llm serve: error: the cache service exited with code 4: --stand-in-flag: cache service cannot start "
+        "(restarted 4 times in a row, each run shorter than 60s); stopped"), out
+    _assert_nothing_left(fleet)
+
+
+def _wait_for_line(fleet: Fleet, line: str, *, prefix: bool = False, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(seen.startswith(line) if prefix else seen == line for seen in fleet.lines()):
+        assert time.monotonic() < deadline, f"no {line!r} in\n{fleet.log.read_text()}"
+        time.sleep(0.05)
+
+
+def test_a_second_signal_hurries_the_children_being_stopped(tmp_path: Path) -> None:
+    """The operator's second Ctrl-C (or SIGTERM) is passed on: the gateway finishing its streams and the
+    workers draining theirs are told to stop now (SIGINT, after the SIGTERM that started their stop), rather
+    than waited for until the grace period ends and they are killed."""
+    fleet = Fleet(tmp_path)
+    process = fleet.start([fleet.spec("engine worker", "worker", port=free_port(), on_signal="drain"),
+                           fleet.spec("gateway", "gateway", on_signal="drain")], stop_grace=60)
+    try:
+        out = _read_until(process, "taco_llm: ready in")
+        # The stand-ins' handlers are set before they record their start.
+        _wait_for_line(fleet, "gateway started", prefix=True)
+        _wait_for_line(fleet, "engine worker started", prefix=True)
+        process.send_signal(signal.SIGTERM)
+        _wait_for_line(fleet, "gateway sigterm")
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(30)
+        assert process.stdout is not None
+        out += process.stdout.read()
+    finally:
+        process.kill()
+    assert code == 0, out
+    assert "SIGTERM received again: hurrying the stop" in out, out
+    assert "killing it" not in out, out
+    signals = [line for line in fleet.lines() if line.endswith(("sigterm", "sigint"))]
+    # The gateway was hurried; the workers, stopped after it, got the hurry on top of their SIGTERM (0.2 s
+    # later; a stand-in slow to run its handler may see the two in either order).
+    assert signals[:2] == ["gateway sigterm", "gateway sigint"], signals
+    assert sorted(signals[2:]) == ["engine worker sigint", "engine worker sigterm"], signals
     _assert_nothing_left(fleet)
 
 
@@ -253,7 +425,7 @@ def test_each_worker_gets_its_ports_and_the_gateway_all_of_them() -> None:
         assert argv[argv.index("--otlp-traces-endpoint") + 1] == "http://collector:4317"
         assert argv[argv.index("--shutdown-timeout") + 1] == "30"
         assert not spec.env
-    assert args.cache_service_port == 50052  # clear of 6000-6002
+    assert args.cache_service_port not in (6000, 6001, 6002, 9100, 9101, 9102)
     gateway = gateway_argv(args)
     assert gateway[:6] == ["--engine", "127.0.0.1:6000", "--engine", "127.0.0.1:6001", "--engine", "127.0.0.1:6002"]
     assert dict(zip(gateway[6::2], gateway[7::2], strict=True)) == {
@@ -261,10 +433,14 @@ def test_each_worker_gets_its_ports_and_the_gateway_all_of_them() -> None:
         "--otlp-traces-endpoint": "http://collector:4317", "--shutdown-timeout": "30"}
 
 
-def test_the_cache_service_port_moves_past_the_workers_and_clashes_are_refused() -> None:
-    assert parse(["--num-workers", "2", "--enable-prefix-cache-offload"]).cache_service_port == 50053
+def test_picked_ports_keep_clear_of_those_given_and_clashes_are_refused() -> None:
+    given = parse(["--num-workers", "2", "--enable-prefix-cache-offload", "--cache-service-port", "50052",
+                   "--metrics-port", "9100", "--port", "8001"])
+    assert len(set(given.grpc_ports)) == 2 and not set(given.grpc_ports) & {50052, 9100, 9101, 8001}
+    assert given.cache_service_port == 50052
     with pytest.raises(ServeArgsError, match="--grpc-port 50051 and --cache-service-port 50052 both take port 50052"):
-        parse(["--num-workers", "2", "--enable-prefix-cache-offload", "--cache-service-port", "50052"])
+        parse(["--num-workers", "2", "--grpc-port", "50051", "--enable-prefix-cache-offload",
+               "--cache-service-port", "50052"])
     with pytest.raises(ServeArgsError, match="--grpc-port 9000 and --metrics-port 9001"):
         parse(["--num-workers", "2", "--grpc-port", "9000", "--metrics-port", "9001"])
     with pytest.raises(ServeArgsError, match="worker 1 would take 65536"):
