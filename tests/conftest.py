@@ -13,6 +13,13 @@ from taco_llm.protos import engine_pb2_grpc
 
 from .support import Stack, start_stack
 
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The compose group runs first: its containers (several engines) are gone before the session's own
+    engines start, so the two never share this machine's memory and cores."""
+    items.sort(key=lambda item: item.get_closest_marker("compose") is None)
+
+
 # float32: greedy output is then the same whatever the batch shape (bf16 rounding differs by shape).
 ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "16",
                 "--kv-cache-memory-bytes", "1G", "--seed", "0"]

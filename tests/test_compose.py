@@ -63,7 +63,8 @@ def test_compose_commands_parse_and_workers_register() -> None:
     assert worker.grpc_host == "0.0.0.0" and settings.host == "0.0.0.0"
     assert _probed_port(services["worker"]) == worker.grpc_port
     assert _probed_port(services["gateway"]) == settings.port
-    assert services["gateway"]["ports"] == [f"{settings.port}:{settings.port}"]
+    # The host side is TACO_LLM_PORT (8000 unless set); the container side is the gateway's --port.
+    assert services["gateway"]["ports"] == [f"${{TACO_LLM_PORT:-{settings.port}}}:{settings.port}"]
 
 
 def test_workers_scale_and_the_gateway_waits_only_for_redis() -> None:
