@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from taco_llm import grpc_security
+from taco_llm.protos.kv_cache_limits import SHM_DIR
 
 DEFAULT_MEMORY_UTILIZATION = 0.3  # TACO-LLM's documented default for --cpu-prefill-memory-utilization
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -26,6 +27,7 @@ class CacheServiceConfig:
     # --api-key: calls but the health service's must carry it; kept out of repr, so out of any log line.
     api_key: str | None = field(default=None, repr=False)
     grpc_tls: grpc_security.ServerTls | None = None  # --grpc-tls-*: None serves plain text
+    shm_dir: str = SHM_DIR  # where workers' window files are, as this process sees them
 
 
 def host_memory_bytes() -> int:
@@ -69,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="require 'authorization: Bearer KEY' in the metadata of every gRPC call but the "
                         "health service's (workers send it with --cache-service-api-key) (default: none, "
                         "no key asked for)")
+    parser.add_argument("--shm-dir", default=SHM_DIR, metavar="DIR",
+                        help="the tmpfs folder in which workers make their shared-memory windows, as this "
+                        "service sees it: each worker's --apc-offload-shm-dir (default %(default)s)")
     grpc_security.add_server_tls_args(parser, "cache service")
     return parser
 
@@ -93,10 +98,12 @@ def parse(argv: Sequence[str]) -> CacheServiceConfig:
         parser.error(f"--redis-url must start with redis://, rediss:// or unix://, got {args.redis_url!r}")
     if args.api_key is not None and not args.api_key:
         parser.error("--api-key is empty: an empty key would let everyone in")
+    if not os.path.isabs(args.shm_dir) or not os.path.isdir(args.shm_dir):
+        parser.error(f"--shm-dir {args.shm_dir!r} is not an absolute path to a folder")
     try:
         grpc_tls = grpc_security.server_tls_from_args(args)
     except grpc_security.SecurityConfigError as error:
         parser.error(str(error))
     return CacheServiceConfig(args.grpc_host, args.grpc_port, budget, args.redis_url,
                               args.apc_offload_min_access_threshold, args.apc_offload_enable_hit_cnt,
-                              api_key=args.api_key, grpc_tls=grpc_tls)
+                              api_key=args.api_key, grpc_tls=grpc_tls, shm_dir=args.shm_dir)

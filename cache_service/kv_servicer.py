@@ -70,7 +70,7 @@ class KVBlockStoreServicer(kv_cache_pb2_grpc.KVBlockStoreServicer):
         # This run of the service (StatsResponse.incarnation): a fresh random id unless given one.
         self.incarnation = incarnation or uuid.uuid4().hex
         self.store = BlockStore(config.kv_budget_bytes, config.min_access_threshold, config.count_hits)
-        self.windows = WindowTable()
+        self.windows = WindowTable(shm_dir=config.shm_dir)
 
     async def AttachWindow(self, request: kv_cache_pb2.AttachWindowRequest,
                            context: grpc.aio.ServicerContext) -> kv_cache_pb2.AttachWindowResponse:

@@ -28,8 +28,8 @@ CONNECTOR_MODULE = "taco_llm.engine_worker.core.kv_offload.connector"
 CONNECTOR_CLASS = "TacoOffloadConnector"
 
 # The connector's own settings travel in kv_transfer_config.kv_connector_extra_config, a plain dict vLLM
-# carries in its config: "cache_service" (HOST:PORT), "lazy", "lookup_timeout" and "transport". Written by
-# frontend/offload_args.py, read by core/kv_offload/connector.py; the values both sides agree on:
+# carries in its config: "cache_service" (HOST:PORT), "lazy", "lookup_timeout", "transport" and "shm_dir".
+# Written by frontend/offload_args.py, read by core/kv_offload/connector.py; the values both sides agree on:
 OFFLOAD_TRANSPORTS = ("auto", "grpc")
 DEFAULT_LOOKUP_TIMEOUT = 0.25  # seconds the scheduler waits for a Lookup before recomputing
 

@@ -643,6 +643,19 @@ def test_the_client_reattaches_after_a_service_restart_and_falls_back_to_grpc_by
         assert stub.Stats(kv_cache_pb2.StatsRequest()).bytes_served_shm == stats.bytes_served_shm
         remote.close()
         assert second.stop() == 0
+        # The same folder seen by both (--shm-dir, --apc-offload-shm-dir): shared memory again.
+        third = _start_service("restart-3", [*argv, "--shm-dir", str(tmp_path)], address, tmp_path)
+        elsewhere = KVBlockClient(address, 1.0, shm_dir=str(tmp_path))
+        try:
+            ring = elsewhere.attach(MiB)
+            assert ring is not None and ring.path.startswith(str(tmp_path))
+            assert save(elsewhere, ring).num_stored == 4  # type: ignore[union-attr]
+            load(elsewhere)
+            assert elsewhere.shared_memory
+            assert stub.Stats(kv_cache_pb2.StatsRequest()).bytes_served_shm == 4 * layout.block_bytes
+        finally:
+            elsewhere.close()
+        assert third.stop() == 0
     finally:
         client.close()
         first.stop()
@@ -675,3 +688,14 @@ def test_the_same_text_without_the_reason_is_not_a_decision() -> None:
     typed = grpc.aio.AioRpcError(grpc.StatusCode.FAILED_PRECONDITION, grpc.aio.Metadata(),
                                  grpc.aio.Metadata(*rich.trailing_metadata), details=rich.details)
     assert window_gone(typed)  # type: ignore[arg-type]
+
+
+def test_the_window_folder_must_be_an_absolute_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from taco_llm.cache_service.config import parse
+
+    assert parse(["--memory", "1M"]).shm_dir == SHM_DIR
+    assert parse(["--memory", "1M", "--shm-dir", str(tmp_path)]).shm_dir == str(tmp_path)
+    for value in ("shm", str(tmp_path / "absent")):
+        with pytest.raises(SystemExit) as exit_info:
+            parse(["--memory", "1M", "--shm-dir", value])
+        assert exit_info.value.code == 2 and "--shm-dir" in capsys.readouterr().err

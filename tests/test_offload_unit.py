@@ -67,3 +67,17 @@ def test_offload_keeps_the_cores_vllm_reserves_without_a_connector(monkeypatch: 
     monkeypatch.setenv(CPU_RESERVED_CORES_VAR, "3")  # the user's own setting is left alone
     offload_flags("--enable-prefix-cache-offload", "--cache-service", "127.0.0.1:1")
     assert os.environ[CPU_RESERVED_CORES_VAR] == "3"
+
+
+def test_the_window_folder_reaches_the_connector_and_is_refused_where_it_cannot_work(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv(CPU_RESERVED_CORES_VAR, "1")  # keeps the flag parsing from setting it in this process
+    on = ("--enable-prefix-cache-offload", "--cache-service", "127.0.0.1:1")
+    assert offload_flags(*on).kv_transfer_config.kv_connector_extra_config["shm_dir"] == "/dev/shm"
+    args = offload_flags(*on, "--apc-offload-shm-dir", "/dev/shm/taco-llm")
+    assert args.kv_transfer_config.kv_connector_extra_config["shm_dir"] == "/dev/shm/taco-llm"
+    for argv, words in [(("--apc-offload-shm-dir", "/tmp/x"), "--apc-offload-shm-dir needs --enable-prefix"),
+                        ((*on, "--apc-offload-shm-dir", "shm"), "--apc-offload-shm-dir must be an absolute path")]:
+        with pytest.raises(SystemExit) as exit_info:
+            offload_flags(*argv)
+        assert exit_info.value.code == 2 and words in capsys.readouterr().err

@@ -9,6 +9,8 @@ import os
 from vllm.config import KVTransferConfig
 from vllm.platforms import current_platform
 
+from taco_llm.protos.kv_cache_limits import SHM_DIR
+
 from ..handoff import CONNECTOR_CLASS, CONNECTOR_MODULE, DEFAULT_LOOKUP_TIMEOUT, OFFLOAD_TRANSPORTS
 from ..vllm_internals import CPU_RESERVED_CORES_VAR, cpu_cores_reserved_without_kv_connector
 
@@ -37,6 +39,10 @@ def add_offload_args(parser: argparse.ArgumentParser) -> None:
                        "shared memory (/dev/shm) when the service can reach it (the same host, or containers "
                        "sharing an IPC namespace) and gRPC messages otherwise; 'grpc' always uses gRPC "
                        "messages (taco-llm's own flag, not TACO-LLM's)")
+    group.add_argument("--apc-offload-shm-dir", default=SHM_DIR, metavar="DIR",
+                       help="the tmpfs folder this worker makes its shared-memory windows in, which the cache "
+                       "service must see as its --shm-dir (default %(default)s; on Kubernetes, a folder of the "
+                       "node's /dev/shm mounted in both pods: docs/deploy.md) (taco-llm's own flag)")
 
 
 def _check_address(address: str, parser: argparse.ArgumentParser) -> None:
@@ -58,12 +64,16 @@ def apply_offload_args(args: argparse.Namespace, parser: argparse.ArgumentParser
             parser.error("--apc-offload-not-lazy needs --enable-prefix-cache-offload")
         if args.apc_offload_transport != "auto":
             parser.error("--apc-offload-transport needs --enable-prefix-cache-offload")
+        if args.apc_offload_shm_dir != SHM_DIR:
+            parser.error("--apc-offload-shm-dir needs --enable-prefix-cache-offload")
         return address
     if address is None:
         parser.error("--enable-prefix-cache-offload needs --cache-service HOST:PORT (taco_llm serve starts "
                      "one itself)")
     if getattr(args, "kv_transfer_config", None) is not None:
         parser.error("--enable-prefix-cache-offload sets vLLM's KV connector; drop --kv-transfer-config")
+    if not os.path.isabs(args.apc_offload_shm_dir):
+        parser.error(f"--apc-offload-shm-dir must be an absolute path, got {args.apc_offload_shm_dir!r}")
     if args.apc_offload_lookup_timeout <= 0:
         parser.error(f"--apc-offload-lookup-timeout must be positive, got {args.apc_offload_lookup_timeout}")
     args.kv_transfer_config = KVTransferConfig(
@@ -77,6 +87,7 @@ def apply_offload_args(args: argparse.Namespace, parser: argparse.ArgumentParser
             "lazy": not args.apc_offload_not_lazy,
             "lookup_timeout": args.apc_offload_lookup_timeout,
             "transport": args.apc_offload_transport,
+            "shm_dir": args.apc_offload_shm_dir,
         },
     )
     keep_engine_threads(args)

@@ -104,7 +104,7 @@ class Backoff:
 
 
 class KVBlockClient:
-    def __init__(self, address: str, lookup_timeout: float, transport: str = "auto"):
+    def __init__(self, address: str, lookup_timeout: float, transport: str = "auto", *, shm_dir: str = SHM_DIR):
         if transport not in OFFLOAD_TRANSPORTS:
             raise ValueError(f"transport: one of {OFFLOAD_TRANSPORTS}, got {transport!r}")
         self.address = address
@@ -114,7 +114,7 @@ class KVBlockClient:
         self._load_window: ShmWindow | None = None
         self._load_window_lock = threading.Lock()  # held by the one load writing through it
         self._attached_once = False
-        self.shm_dir = SHM_DIR
+        self.shm_dir = shm_dir  # the service must see this folder as its --shm-dir
         # TLS and the key as the worker's --cache-service-tls-* and --cache-service-api-key say.
         self._channel = CacheServiceClient.from_environment().channel(address, options=[
             ("grpc.max_send_message_length", GRPC_MESSAGE_LIMIT),

@@ -30,6 +30,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from taco_llm.protos.kv_cache_limits import SHM_DIR
+
 from ...handoff import DEFAULT_LOOKUP_TIMEOUT
 from ...vllm_internals import CacheHitSource, connector_metadata
 from .client import BlockPayload, KVBlockClient
@@ -115,7 +117,7 @@ class TacoOffloadConnector(KVConnectorBase_V1):
         self._engine_salt = engine_salt(_salt_factors(vllm_config, kv_cache_config))
         transport = str(settings.get("transport", "auto"))
         self._client = KVBlockClient(address, float(settings.get("lookup_timeout", DEFAULT_LOOKUP_TIMEOUT)),
-                                     transport)
+                                     transport, shm_dir=str(settings.get("shm_dir", SHM_DIR)))
         # Scheduler role.
         self._requests: dict[str, _RequestState] = {}
         # Worker role.
