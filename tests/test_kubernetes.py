@@ -471,6 +471,10 @@ def test_workers_share_a_node_folder_with_their_node_s_cache_service(rendered: d
         assert _one(objects, "Service", "cache-service")["spec"]["internalTrafficPolicy"] == "Local"
         for toleration in _pod_spec(worker).get("tolerations", []):
             assert toleration in _pod_spec(cache).get("tolerations", []), variant
+        # ...and nowhere else: its memory is reserved on every node it runs on.
+        for placement in ("nodeSelector", "affinity"):
+            assert _pod_spec(cache).get(placement) == _pod_spec(worker).get(placement), (variant, placement)
+        assert _pod_spec(worker)["nodeSelector"] == {"taco-llm.io/serving": "true"}
         # Guaranteed QoS: every container's requests equal its limits, for CPU and memory.
         for container in [*_pod_spec(cache)["initContainers"], *_pod_spec(cache)["containers"]]:
             resources = container["resources"]
