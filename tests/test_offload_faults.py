@@ -74,6 +74,21 @@ def timed(action: object, bound: float) -> float:
     return time.monotonic() - started
 
 
+def step_through(load: LayerwiseLoad, bound: float) -> tuple[bool, float]:
+    """Starts `load` and waits on it as the engine's step does (every layer, then the whole load), on
+    another thread; fails unless that ends within `bound` seconds. Returns whether it loaded, and its seconds."""
+    loaded: list[bool] = []
+
+    def engine_step() -> None:
+        for index in range(load.layout.num_layers):
+            load.wait_layer(index)
+        loaded.append(load.join())
+
+    load.start()
+    elapsed = timed(engine_step, bound)
+    return loaded[0], elapsed
+
+
 # ------------------------------------------------------------------ a load that stalls mid-stream (scripted)
 
 
@@ -135,16 +150,8 @@ def test_a_load_that_stalls_is_given_up_within_the_stall_deadline_and_writes_not
     before = [layer[targets].clone() for layer in layout.layers]
     client = _StallingClient(stream)
     load = LayerwiseLoad(layout, client, [key("stall0"), key("stall1")], targets)  # type: ignore[arg-type]
-    loaded: list[bool] = []
-
-    def engine_step() -> None:
-        for index in range(layout.num_layers):
-            load.wait_layer(index)
-        loaded.append(load.join())
-
-    load.start()
-    elapsed = timed(engine_step, LOAD_STALL_SECONDS + SLACK)
-    assert loaded == [False], "a stalled load must be reported failed (its blocks are recomputed)"
+    loaded, elapsed = step_through(load, LOAD_STALL_SECONDS + SLACK)
+    assert not loaded, "a stalled load must be reported failed (its blocks are recomputed)"
     assert elapsed >= LOAD_STALL_SECONDS * 0.9, "gave up before the stall deadline"
     assert stream.cancelled.is_set(), "the stalled call was not cancelled"
     assert not client.backoff.ready(), "after a stall the next calls should not wait on the service again at once"
@@ -206,17 +213,8 @@ def test_a_frozen_service_costs_each_wait_its_deadline_and_then_works_again(cach
 
         for layer in layout.layers:
             layer[targets] = 0
-        load = LayerwiseLoad(layout, worker, keys, targets)
-        loaded: list[bool] = []
-
-        def engine_step() -> None:
-            for index in range(layout.num_layers):
-                load.wait_layer(index)
-            loaded.append(load.join())
-
-        load.start()
-        timed(engine_step, LOAD_STALL_SECONDS + SLACK)
-        assert loaded == [False]
+        loaded, _ = step_through(LayerwiseLoad(layout, worker, keys, targets), LOAD_STALL_SECONDS + SLACK)
+        assert not loaded
 
         # Saves while the service is frozen: each step's reserve never waits, and beyond the ring's room
         # they are dropped, not queued.
