@@ -3,7 +3,9 @@ whether each is ready, how loaded, whether its circuit breaker lets requests thr
 request goes to (routing.py's policies).
 
 Each member has its own watch task: every --health-interval, a health Check and a GetLoad under a short
-deadline. A refused connection or NOT_SERVING takes a worker out of rotation at once; a missed deadline
+deadline, and all along the worker's health Watch stream, so that a NOT_SERVING the worker pushes (a
+drain, an engine stall) takes it out between two polls. A refused connection or NOT_SERVING takes a
+worker out of rotation at once; a missed deadline
 (a worker frozen or cut off) does at the second miss in a row, so a busy worker that answers one check
 late is not dropped. With the defaults (0.5 s, 0.75 s deadline) a dead or cut-off worker is out within
 2 s. ModelInfo is read again whenever a worker becomes ready: it may have restarted with other settings.
@@ -132,6 +134,9 @@ class EngineClient:
     # Streams this gateway has open on it (the streams' code counts them).
     in_flight: int = 0
     missed_checks: int = 0
+    # How many times the worker has pushed a status other than SERVING on its health Watch: a poll whose
+    # Check was answered before the latest push must not put the worker back in rotation.
+    pushed_unready: int = 0
     last_error: str = field(default="", repr=False)
     # Sent on the gateway's own calls (GetModelInfo, GetLoad), for workers started with --api-key.
     metadata: tuple[tuple[str, str], ...] = field(default=(), repr=False)
@@ -201,6 +206,7 @@ class EngineClient:
     async def poll(self, deadline: float) -> None:
         """One health Check and GetLoad; updates `ready` (and `info` when it becomes ready)."""
         in_flight_before = self.in_flight
+        pushed_before = self.pushed_unready
         check: health_pb2.HealthCheckResponse | grpc.aio.AioRpcError
         load: engine_pb2.Load | grpc.aio.AioRpcError
         check, load = await asyncio.gather(
@@ -225,6 +231,8 @@ class EngineClient:
             self.in_flight_at_report = in_flight_before
         elif isinstance(load, grpc.aio.AioRpcError) and load.code() == grpc.StatusCode.UNIMPLEMENTED:
             self.reported = None
+        if self.pushed_unready != pushed_before:
+            serving = False  # the check was answered before the worker said otherwise
         if serving and (not self.ready or self.info is None):
             try:
                 self.info = await self.stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=deadline,
@@ -435,6 +443,11 @@ class EnginePool:
     # -- health ------------------------------------------------------------------------------------
 
     async def _watch(self, client: EngineClient) -> None:
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self._poll_every_interval(client))
+            group.create_task(self._follow_pushed_health(client))
+
+    async def _poll_every_interval(self, client: EngineClient) -> None:
         loop = asyncio.get_running_loop()
         while True:
             started = loop.time()
@@ -445,6 +458,34 @@ class EnginePool:
             except Exception:  # the watcher must outlive any one failure
                 logger.exception("health check of engine %s failed", client.address)
             await asyncio.sleep(max(0.0, self.health_interval - (loop.time() - started)))
+
+    async def _follow_pushed_health(self, client: EngineClient) -> None:
+        """The worker's health as it pushes it (gRPC health Watch): a drain or an engine stall takes it out
+        of rotation the moment it says so, not at the next poll, when requests would already have been
+        sent to it and refused. This only ever takes a worker out: coming back is the polls' decision (they
+        read its ModelInfo), and they alone find a worker that is cut off or frozen."""
+        request = health_pb2.HealthCheckRequest(service=ENGINE_SERVICE)
+        while True:
+            try:
+                async for reply in client.health.Watch(request):
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        continue
+                    client.pushed_unready += 1
+                    if client.ready:
+                        client.ready = False
+                        client.last_error = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+                        logger.warning("engine %s is not ready: it says %s", client.address, client.last_error)
+                        self._publish(client)
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as error:
+                if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    return  # a worker without Watch: the polls alone watch it
+            except Exception:  # the follower must outlive any one failure
+                logger.exception("health watch of engine %s failed", client.address)
+            # The stream ends when the worker goes away or the channel reconnects: follow it again once
+            # it could answer (the channel's own backoff paces the dials).
+            await asyncio.sleep(self.health_interval)
 
     async def _poll(self, client: EngineClient) -> None:
         was_ready = client.ready

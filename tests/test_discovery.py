@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 import redis.asyncio as aioredis
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from taco_llm.engine_worker.frontend.registry import Registrar
 from taco_llm.gateway.engine_pool import EngineClient, EnginePool
@@ -28,6 +28,7 @@ from taco_llm.gateway.metrics import REGISTRY
 from taco_llm.gateway.prefix_index import CHUNK_CHARS
 from taco_llm.gateway.routing import RouteKey
 from taco_llm.protos import engine_pb2, engine_pb2_grpc, registry_pb2
+from taco_llm.protos.engine_limits import ENGINE_SERVICE
 
 from .support import free_port
 
@@ -495,6 +496,35 @@ async def test_a_frozen_worker_leaves_rotation_at_the_second_missed_deadline() -
         assert time.monotonic() - started <= OUT_OF_ROTATION_WITHIN + 0.3
     finally:
         worker.freezer.thawed.set()
+        await pool.close()
+        await worker.stop()
+
+
+async def test_a_status_the_worker_pushes_takes_it_out_between_two_polls() -> None:
+    # The worker's real health servicer (grpcio-health-checking's, as engine_worker/frontend/server.py
+    # has), which answers Watch: a drain's NOT_SERVING reaches the gateway without waiting for a poll.
+    worker = Worker("m")
+    pushed = health.aio.HealthServicer()
+    await pushed.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    worker.health = pushed  # type: ignore[assignment]
+    await worker.start()
+    pool = EnginePool([worker.address], health_interval=60.0)  # no second poll within this test
+    await pool.start()
+    try:
+        client = _member(pool, worker.address)
+        assert client.ready
+        await asyncio.sleep(0.3)  # the Watch stream is open and has its first (SERVING) answer
+        await pushed.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+        elapsed = await _within(1.0, lambda: not client.ready, "a pushed NOT_SERVING")
+        assert elapsed < 1.0 and client.why_not_ready() == "NOT_SERVING"
+        assert REGISTRY.get_sample_value("taco_llm_worker_ready", {"worker": worker.address}) == 0
+        # Coming back is the polls' decision (they read ModelInfo again): a push alone does not.
+        await pushed.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        await asyncio.sleep(0.5)
+        assert not client.ready
+        await pool.refresh()
+        assert client.ready
+    finally:
         await pool.close()
         await worker.stop()
 
