@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/registry.proto\x12\x14taco_llm.registry.v1\"\xa4\x01\n\x0cWorkerRecord\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x1a\n\x12served_model_names\x18\x03 \x03(\t\x12\x17\n\x0fstarted_unix_ms\x18\x04 \x01(\x03\x12\x19\n\x11heartbeat_unix_ms\x18\x05 \x01(\x03\x12\x10\n\x08instance\x18\x06 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x07 \x01(\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/registry.proto\x12\x14taco_llm.registry.v1\"\xc4\x01\n\x0cWorkerRecord\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x1a\n\x12served_model_names\x18\x03 \x03(\t\x12\x17\n\x0fstarted_unix_ms\x18\x04 \x01(\x03\x12\x19\n\x11heartbeat_unix_ms\x18\x05 \x01(\x03\x12\x10\n\x08instance\x18\x06 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x07 \x01(\r\x12\x1e\n\x16publishes_prefix_cache\x18\x08 \x01(\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,5 +32,5 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'taco_llm.protos.registry_pb
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WORKERRECORD']._serialized_start=48
-  _globals['_WORKERRECORD']._serialized_end=212
+  _globals['_WORKERRECORD']._serialized_end=244
 # @@protoc_insertion_point(module_scope)

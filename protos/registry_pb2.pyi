@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerRecord(_message.Message):
-    __slots__ = ("worker_id", "address", "served_model_names", "started_unix_ms", "heartbeat_unix_ms", "instance", "ttl_ms")
+    __slots__ = ("worker_id", "address", "served_model_names", "started_unix_ms", "heartbeat_unix_ms", "instance", "ttl_ms", "publishes_prefix_cache")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SERVED_MODEL_NAMES_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,7 @@ class WorkerRecord(_message.Message):
     HEARTBEAT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHES_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     served_model_names: _containers.RepeatedScalarFieldContainer[str]
@@ -22,4 +23,5 @@ class WorkerRecord(_message.Message):
     heartbeat_unix_ms: int
     instance: str
     ttl_ms: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., served_model_names: _Optional[_Iterable[str]] = ..., started_unix_ms: _Optional[int] = ..., heartbeat_unix_ms: _Optional[int] = ..., instance: _Optional[str] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+    publishes_prefix_cache: bool
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., served_model_names: _Optional[_Iterable[str]] = ..., started_unix_ms: _Optional[int] = ..., heartbeat_unix_ms: _Optional[int] = ..., instance: _Optional[str] = ..., ttl_ms: _Optional[int] = ..., publishes_prefix_cache: _Optional[bool] = ...) -> None: ...

@@ -124,6 +124,21 @@ def test_bad_fields_are_invalid_argument_naming_the_field(engine: engine_pb2_grp
     assert field in details
 
 
+@pytest.mark.parametrize(
+    ("chunks", "field"),
+    [(engine_pb2.PrefixChunks(digests=b"123", chunk_chars=64, text_chars=64), "prefix_chunks.digests"),
+     (engine_pb2.PrefixChunks(digests=b"\0" * 8 * 4097, chunk_chars=64, text_chars=10**6), "prefix_chunks.digests"),
+     (engine_pb2.PrefixChunks(digests=b"\0" * 8, chunk_chars=0, text_chars=64), "prefix_chunks.chunk_chars"),
+     (engine_pb2.PrefixChunks(digests=b"\0" * 8, chunk_chars=64, text_chars=0), "prefix_chunks.text_chars")],
+)
+def test_malformed_prefix_chunks_are_invalid_argument_naming_the_field(
+        engine: engine_pb2_grpc.EngineStub, chunks: engine_pb2.PrefixChunks, field: str) -> None:
+    request = _chat("hi")
+    request.prefix_chunks.CopyFrom(chunks)
+    code, _details, typed = _status(engine.Generate(request))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and typed.field == field and typed.reason == "FIELD_INVALID"
+
+
 def test_missing_input_unknown_model_and_too_long(engine: engine_pb2_grpc.EngineStub) -> None:
     code, details, typed = _status(engine.Generate(engine_pb2.GenerateRequest(model=MODEL)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and typed == rich_status.ErrorDetails("FIELD_REQUIRED", "input")

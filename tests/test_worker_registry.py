@@ -167,10 +167,14 @@ def test_flags_default_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert options.advertise_address == "127.0.0.1:7000"  # type: ignore[attr-defined]
     given = _options(["--registry-url", "redis://r", "--advertise-address", "worker-3:50051", "--registry-ttl", "2"])
     assert (given.advertise_address, given.ttl) == ("worker-3:50051", 2.0)  # type: ignore[attr-defined]
+    assert options.publish_prefix_cache is None, "on unless turned off"  # type: ignore[attr-defined]
+    assert _options(["--registry-url", "redis://127.0.0.1:6379/0", "--no-publish-prefix-cache"]
+                    ).publish_prefix_cache is False  # type: ignore[union-attr,attr-defined]
     for argv, flag in ((["--registry-url", "http://r:6379"], "--registry-url"),
                        (["--registry-url", "redis://r", "--registry-ttl", "0"], "--registry-ttl"),
                        (["--registry-url", "redis://r", "--advertise-address", "nohost"], "--advertise-address"),
                        (["--advertise-address", "h:1"], "--advertise-address"),
+                       (["--publish-prefix-cache"], "--publish-prefix-cache"),
                        # A loopback --grpc-host with a registry elsewhere: no gateway there could dial it.
                        (["--registry-url", "redis://r"], "--advertise-address")):
         with pytest.raises(SystemExit):

@@ -61,6 +61,8 @@ class RegistryOptions:
     # heartbeat, since a host's address can change under a running worker (a container reconnected to its
     # network gets the address that is free then).
     wildcard_port: int | None = None
+    # --publish-prefix-cache: None where not given (on, unless prefix caching is off).
+    publish_prefix_cache: bool | None = None
 
     def current_address(self) -> str | None:
         """The address to advertise now, where it is derived; None where it is fixed or cannot be told now."""
@@ -91,6 +93,10 @@ def add_registry_args(parser: argparse.ArgumentParser) -> None:
                        "a wildcard host such as 0.0.0.0 replaced by this host's address on the interface that "
                        "routes to the registry; a loopback address is used only for a registry on this host "
                        "or when given here)")
+    group.add_argument("--publish-prefix-cache", action=argparse.BooleanOptionalAction, default=None,
+                       help="publish which prompt prefixes this worker's KV cache holds (from vLLM's KV cache "
+                       "events) in the registry's Redis, so that every gateway routes on what the caches hold "
+                       "(default: on with --registry-url and prefix caching)")
 
 
 def _host_port(address: str) -> tuple[str, int] | None:
@@ -209,7 +215,8 @@ def registry_options(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     """Checks the flags (errors exit via argparse, naming the flag); None without --registry-url."""
     url: str | None = args.registry_url
     if url is None:
-        for flag, value in (("--registry-ttl", args.registry_ttl), ("--advertise-address", args.advertise_address)):
+        for flag, value in (("--registry-ttl", args.registry_ttl), ("--advertise-address", args.advertise_address),
+                            ("--publish-prefix-cache", args.publish_prefix_cache or None)):
             if value is not None:
                 parser.error(f"{flag} needs --registry-url")
         return None
@@ -223,14 +230,16 @@ def registry_options(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     if args.advertise_address is not None:
         if _host_port(args.advertise_address) is None:
             parser.error(f"--advertise-address {args.advertise_address!r}: expected HOST:PORT")
-        return RegistryOptions(url=url, ttl=ttl, advertise_address=args.advertise_address)  # even loopback: asked
+        return RegistryOptions(url=url, ttl=ttl, advertise_address=args.advertise_address,  # even loopback: asked
+                               publish_prefix_cache=args.publish_prefix_cache)
     try:
         address = advertise_address(args.grpc_host, args.grpc_port, url)
     except AdvertiseError as error:
         parser.error(str(error))
     derived = args.grpc_host in WILDCARD_HOSTS
     return RegistryOptions(url=url, ttl=ttl, advertise_address=address,
-                           wildcard_port=args.grpc_port if derived else None)
+                           wildcard_port=args.grpc_port if derived else None,
+                           publish_prefix_cache=args.publish_prefix_cache)
 
 
 def _now_ms() -> int:
@@ -241,11 +250,13 @@ class Registrar:
     """Keeps one worker's record in the registry, from `start` until `stop`."""
 
     def __init__(self, url: str, address: str, served_model_names: list[str], *, ttl: float = DEFAULT_TTL_SECONDS,
-                 instance: str | None = None, readdress: Callable[[], str | None] | None = None):
+                 instance: str | None = None, readdress: Callable[[], str | None] | None = None,
+                 worker_id: str | None = None, publishes_prefix_cache: bool = False):
         self.ttl_ms = max(1, round(ttl * 1000))
         # worker_id is this process's incarnation; instance outlives it (see registry.proto).
-        self.record = registry_pb2.WorkerRecord(worker_id=uuid.uuid4().hex, address=address,
+        self.record = registry_pb2.WorkerRecord(worker_id=worker_id or uuid.uuid4().hex, address=address,
                                                 served_model_names=served_model_names,
+                                                publishes_prefix_cache=publishes_prefix_cache,
                                                 instance=instance or default_instance(address), ttl_ms=self.ttl_ms)
         self.key = REGISTRY_KEY_PREFIX + self.record.worker_id
         self.interval = ttl / HEARTBEATS_PER_TTL

@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Callable
 
 import grpc
@@ -34,6 +35,7 @@ from .auth import ApiKeyInterceptor
 from .cache_incarnation import CacheServiceIncarnation
 from .drain import drain
 from .engine import LoadTracker, resolve_default_model, start_engine
+from .prefix_publisher import PrefixPublisher, PublishError, events_endpoint
 from .registry import Registrar
 from .service import EngineService
 from .tracing import Tracing
@@ -130,6 +132,12 @@ async def serve(args: WorkerArgs, stop: asyncio.Event, *, hurry: asyncio.Event |
     if args.metrics_port is not None:
         # Before the engine starts, so that its processes write their metrics where we can read them.
         registry = _metrics_registry()
+    events_at = None
+    if args.registry is not None and args.registry.publish_prefix_cache is not False:
+        try:
+            events_at = events_endpoint(args.engine, asked=bool(args.registry.publish_prefix_cache))
+        except PublishError as error:
+            raise WorkerStartError(str(error)) from None
     load = LoadTracker()
     die_with_parent.arm()  # before the engine's processes start: they must not outlive this one
     engine = start_engine(args.engine, load, prometheus=args.metrics_port is not None)
@@ -184,9 +192,17 @@ async def serve(args: WorkerArgs, stop: asyncio.Event, *, hurry: asyncio.Event |
         await health_service.set(name, health_pb2.HealthCheckResponse.SERVING)
     print(f"taco_llm worker: serving {', '.join(served)} over gRPC at {address}", flush=True)
     registrar = None
+    publisher = None
     if args.registry is not None:
+        worker_id = uuid.uuid4().hex
+        if events_at is not None:
+            # Before the record says so: a gateway that reads it finds the (empty) set already there.
+            publisher = PrefixPublisher(args.registry.url, worker_id, ttl=args.registry.ttl, endpoint=events_at)
+            await publisher.start()
+            service.prefix_publisher = publisher
         registrar = Registrar(args.registry.url, args.registry.advertise_address, service.served_model_names,
-                              ttl=args.registry.ttl, readdress=args.registry.current_address)
+                              ttl=args.registry.ttl, readdress=args.registry.current_address, worker_id=worker_id,
+                              publishes_prefix_cache=publisher is not None)
         await registrar.start()
 
     stats_task = None
@@ -206,6 +222,8 @@ async def serve(args: WorkerArgs, stop: asyncio.Event, *, hurry: asyncio.Event |
     await drain(service.gate, service.cut_streams, health_service, registrar,
                 timeout=float(args.engine.shutdown_timeout), hurry=hurry)
     await server.stop(STOP_GRACE_SECONDS)
+    if publisher is not None:
+        await publisher.stop()
     with contextlib.suppress(Exception):
         engine.shutdown()
     tracing.shutdown()

@@ -31,8 +31,10 @@ from .cache_incarnation import CacheServiceIncarnation
 from .drain import StreamGate
 from .engine import LoadTracker
 from .frontend_args import FrontendOptions
+from .held_prefixes import prefix_chunks_problem
 from .lora import LoraRegistry
 from .outputs import ResponseBuilder, ResumedText
+from .prefix_publisher import PrefixPublisher
 from .sampling import InvalidField, Limits, structured, to_vllm
 from .tools import ToolCalling, ToolRequest, tool_parser_class
 from .tracing import Tracing
@@ -131,6 +133,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         # A text-only model's renderer cannot take image, audio, video or file parts.
         self.multimodal = bool(self.model_config.is_multimodal_model)
         self.running: set[str] = set()
+        # Set once the worker publishes its prefix cache (server.py): told of each request once prefilled.
+        self.prefix_publisher: PrefixPublisher | None = None
         self.created = int(time.time())
         self.loaded_adapters: set[str] = set()
         self.chat_defaults = prompts.ChatDefaults(frontend.chat_template, frontend.trust_request_chat_template)
@@ -221,6 +225,9 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 f"cannot switch it per request (asked for {so.backend!r})", Reason.STRUCTURED_OUTPUT_BACKEND_FIXED,
             )
         check_amplifiers(request.sampling, self.admission)
+        problem = prefix_chunks_problem(request.prefix_chunks)
+        if problem is not None:
+            raise InvalidField(*problem)
         resumed = list(request.resume.output_token_ids)
         prompts.check_token_ids(resumed, self.limits.vocab_size, field=RESUME_IDS_FIELD)
         sampling = _resumed_sampling(request.sampling, len(resumed), self.sampling_defaults)
@@ -288,6 +295,11 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 trace_headers=self.tracing.trace_headers(),
             )) as outputs:
                 async for output in outputs:
+                    if not started and self.prefix_publisher is not None and request.HasField("prefix_chunks"):
+                        # Prefilled: its blocks are cached, or about to be reported so. The chunks name
+                        # the rendered prompt, without the tokens a resumed stream appends to it.
+                        prompt_ids = engine_input["prompt_token_ids"]
+                        self.prefix_publisher.note(request.prefix_chunks, prompt_ids[:len(prompt_ids) - len(resumed)])
                     started = True
                     # Aborted while draining (at the drain's deadline, or by the engine's own shutdown):
                     # the client must learn that the stream did not finish, and resume it elsewhere.
