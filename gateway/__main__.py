@@ -122,6 +122,7 @@ def parse(argv: Sequence[str] | None) -> GatewaySettings:
         cache_aware_balance_abs_threshold=args.cache_aware_balance_abs_threshold,
         cache_aware_balance_rel_threshold=args.cache_aware_balance_rel_threshold,
         cache_aware_offload_discount=args.cache_aware_offload_discount,
+        shared_prefix_view=args.shared_prefix_view,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         api_server_count=args.api_server_count,
         api_server_index=args.api_server_index,

@@ -62,6 +62,7 @@ class GatewaySettings:
     cache_aware_balance_abs_threshold: int = 16
     cache_aware_balance_rel_threshold: float = 1.5
     cache_aware_offload_discount: float = 0.75
+    shared_prefix_view: bool = True  # --shared-prefix-view
     otlp_traces_endpoint: str | None = None
     root_path: str = ""
     # Required of HTTP clients (`Authorization: Bearer KEY`) on every route but /health; None: no key.
@@ -114,6 +115,7 @@ def create_app(settings: GatewaySettings, pool: EnginePool | None = None) -> Fas
         registry_url=settings.registry_url, balance_abs_threshold=settings.cache_aware_balance_abs_threshold,
         balance_rel_threshold=settings.cache_aware_balance_rel_threshold,
         offload_discount=settings.cache_aware_offload_discount, tls=settings.engine_tls,
+        shared_prefix_view=settings.shared_prefix_view,
     )
 
     @contextlib.asynccontextmanager

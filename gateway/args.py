@@ -125,6 +125,11 @@ ROUTING_FLAGS: list[tuple[str, dict[str, object]]] = [
     ("--cache-aware-balance-rel-threshold", {"type": float, "default": 1.5,
                                              "help": "...and the busiest has more than this many times the "
                                                      "idlest's load (default: 1.5)"}),
+    ("--shared-prefix-view", {"action": argparse.BooleanOptionalAction, "default": True,
+                              "help": "cache_aware matches registered workers that publish their prefix cache "
+                                      "(taco_llm worker --publish-prefix-cache) on what they publish in "
+                                      "--registry-url's Redis, which every gateway replica reads alike, instead "
+                                      "of on what this gateway alone sent them (default: on)"}),
     ("--cache-aware-offload-discount", {"type": float, "default": 0.75,
                                         "help": "what a prefix held by a worker's shared cache service is "
                                                 "worth next to one on the worker itself (default: 0.75)"}),

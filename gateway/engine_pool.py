@@ -51,6 +51,7 @@ from . import discovery
 from .circuit_breaker import BreakerState, CircuitBreaker
 from .errors import APIError, service_unavailable
 from .metrics import CIRCUIT_STATE, ROUTING_DECISIONS, WORKER_LOAD, WORKER_READY
+from .prefix_view import SharedPrefixView
 from .routing import Route, RouteKey, make_policy
 
 __all__ = ["EngineClient", "EnginePool", "Route", "RouteKey"]
@@ -91,6 +92,10 @@ def _same_worker(a: registry_pb2.WorkerRecord, b: registry_pb2.WorkerRecord) -> 
     if a.instance and b.instance:
         return a.instance == b.instance
     return a.address == b.address
+
+
+def _prefix_view_id(record: registry_pb2.WorkerRecord | None) -> str:
+    return record.worker_id if record is not None and record.publishes_prefix_cache else ""
 
 
 def _started(record: registry_pb2.WorkerRecord) -> tuple[int, int, str]:
@@ -158,6 +163,9 @@ class EngineClient:
     record: registry_pb2.WorkerRecord | None = field(default=None, repr=False)
     # When (pool clock) its key was first missed from the listings in a row; None while it is listed.
     absent_since: float | None = field(default=None, repr=False)
+    # The worker_id its prefix cache is published under (WorkerRecord.publishes_prefix_cache), from its
+    # record: "" where it publishes none or is not registered.
+    prefix_view_id: str = ""
 
     def __post_init__(self) -> None:
         self.member_id = self.member_id or self.address
@@ -171,7 +179,8 @@ class EngineClient:
         channel = aio_channel(address, tls, GRPC_OPTIONS)
         return cls(address, channel, engine_pb2_grpc.EngineStub(channel), health_pb2_grpc.HealthStub(channel),
                    member_id=record.worker_id if record is not None else address, metadata=metadata,
-                   static=static, breaker=breaker or CircuitBreaker(), record=record)
+                   static=static, breaker=breaker or CircuitBreaker(), record=record,
+                   prefix_view_id=_prefix_view_id(record))
 
     @property
     def absence_limit(self) -> float:
@@ -258,7 +267,7 @@ class EnginePool:
                  list_interval: float = LIST_INTERVAL_SECONDS,
                  breaker_factory: Callable[[], CircuitBreaker] = CircuitBreaker,
                  clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None,
-                 tls: ClientTls | None = None):
+                 tls: ClientTls | None = None, shared_prefix_view: bool = True):
         if not addresses and not registry_url:
             raise ValueError("at least one --engine HOST:PORT or a --registry-url is needed")
         if registry_url:
@@ -271,9 +280,12 @@ class EnginePool:
         self.list_interval = list_interval
         self.metadata = metadata
         self.tls = tls  # --engine-tls-*: None dials the workers in plain text
+        # What the registered workers publish of their prefix caches (only cache_aware reads it).
+        self.prefix_view = (SharedPrefixView(registry_url)
+                            if registry_url and shared_prefix_view and routing == "cache_aware" else None)
         self.policy = make_policy(routing, balance_abs_threshold=balance_abs_threshold,
                                   balance_rel_threshold=balance_rel_threshold, offload_discount=offload_discount,
-                                  rng=rng)
+                                  rng=rng, view=self.prefix_view)
         self.breaker_factory = breaker_factory
         self.clock = clock
         self.rng = rng or random.Random()
@@ -281,6 +293,7 @@ class EnginePool:
         self._watchers: dict[EngineClient, asyncio.Task[None]] = {}
         self._retiring: dict[EngineClient, asyncio.Task[None]] = {}
         self._discovery: asyncio.Task[None] | None = None
+        self._view_task: asyncio.Task[None] | None = None
         # Instance names that several live workers register under (logged once, while it lasts).
         self._shared_instances: set[str] = set()
         # Per shared cache service (ModelInfo.prefix_cache_service): the incarnations workers reported,
@@ -293,6 +306,8 @@ class EnginePool:
         self.clients = [self._connect(a, static=True) for a in self.addresses]
         # One round before serving, so that a gateway started after its workers answers at once.
         await self.refresh()
+        if self.prefix_view is not None:
+            self._view_task = asyncio.create_task(self.prefix_view.run(), name="shared-prefix-view")
         if self.registry_url:
             self._registry = discovery.Registry(self.registry_url)
             with contextlib.suppress(discovery.RegistryUnavailable):
@@ -308,8 +323,9 @@ class EnginePool:
         # Taken before the tasks are cancelled: a cancelled _retire removes its client from _retiring.
         retiring = list(self._retiring)
         tasks = [*self._watchers.values(), *self._retiring.values()]
-        if self._discovery is not None:
-            tasks.append(self._discovery)
+        for task in (self._discovery, self._view_task):
+            if task is not None:
+                tasks.append(task)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -317,6 +333,8 @@ class EnginePool:
         await asyncio.gather(*(channel.close() for channel in channels), return_exceptions=True)
         if self._registry is not None:
             await self._registry.close()
+        if self.prefix_view is not None:
+            await self.prefix_view.close()
         self._watchers.clear()
         self._retiring.clear()
 
@@ -333,6 +351,8 @@ class EnginePool:
         now = self.clock()
         static_addresses = {c.address for c in self.clients if c.static}
         # An --engine member already dials that address: a record of it would count the worker twice.
+        # The record still says where the worker publishes its prefix cache.
+        self._note_static_records([r for r in records.values() if r.address in static_addresses])
         listed = [r for r in records.values() if r.address not in static_addresses]
         # Of several incarnations of one worker listed at once (a killed one's key outlives it), the latest.
         current = {r.worker_id: r for r in listed if not any(_replaces(other, r) for other in listed)}
@@ -349,6 +369,7 @@ class EnginePool:
                     logger.info("engine %s is registered again after %.1f s away: kept, with its breaker and "
                                 "cache affinity", client.address, now - client.absent_since)
                 client.record = record
+                client.prefix_view_id = _prefix_view_id(record)
                 client.absent_since = None
         for client in list(self.clients):
             if client.static or client.member_id in current:
@@ -363,6 +384,24 @@ class EnginePool:
                             "within %.1f s", client.address, client.absence_limit)
             elif now - client.absent_since >= client.absence_limit:
                 self._leave(client, f"its registry key has been gone for {now - client.absent_since:.1f} s")
+
+    def _note_static_records(self, records: Collection[registry_pb2.WorkerRecord]) -> None:
+        """Where each --engine worker publishes its prefix cache: its latest record's say."""
+        for client in self.clients:
+            if not client.static:
+                continue
+            own = [r for r in records if r.address == client.address]
+            if not own:
+                continue  # not listed now: what it said last stands until it registers again
+            latest = max(own, key=_started)
+            published = _prefix_view_id(latest)
+            if published != client.prefix_view_id:
+                self._forget_published(client)
+                client.prefix_view_id = published
+
+    def _forget_published(self, client: EngineClient) -> None:
+        if self.prefix_view is not None and client.prefix_view_id:
+            self.prefix_view.forget(client.prefix_view_id)
 
     def _warn_of_shared_instances(self, records: Collection[registry_pb2.WorkerRecord]) -> None:
         by_instance: dict[str, list[str]] = {}
@@ -419,6 +458,7 @@ class EnginePool:
     def _leave(self, client: EngineClient, why: str) -> None:
         logger.info("engine %s left the pool: %s (%d streams left to finish)", client.address, why, client.in_flight)
         self.policy.forget(client.member_id)
+        self._forget_published(client)
         self._retire_client(client)
 
     def _retire_client(self, client: EngineClient) -> None:
@@ -598,7 +638,7 @@ class EnginePool:
         client.breaker.routed(now)
         ROUTING_DECISIONS.labels(self.policy.name, choice.reason).inc()
         CIRCUIT_STATE.labels(client.address).set(client.breaker.state(now))
-        return Route(client, self.policy.name, choice.reason, choice.prefix_match)
+        return Route(client, self.policy.name, choice.reason, choice.prefix_match, choice.prefix_hashes)
 
     def record_outcome(self, client: EngineClient, *, worker_fault: bool) -> None:
         """How a routed request went, for the worker's breaker: `worker_fault` for a fault of the worker

@@ -44,6 +44,7 @@ from typing import Any
 import grpc
 
 from taco_llm.protos import engine_pb2
+from taco_llm.protos.prefix_view import pack_digests
 from taco_llm.protos.rich_status import Reason, details_of
 
 from . import tracing
@@ -62,6 +63,7 @@ from .metrics import (
     TIME_TO_FIRST_TOKEN,
     BatchedObserver,
 )
+from .prefix_index import CHUNK_CHARS
 from .rate_limits import charge_tokens
 from .routing import Route, RouteKey
 
@@ -311,6 +313,7 @@ class EngineStream:
                 self.migrations += 1
             elif attempt:
                 self.retries += 1
+            self._name_prefix(route)
             call = self._open_call(client)
             try:
                 first = await self._first_message(call)
@@ -360,6 +363,15 @@ class EngineStream:
         # Which workers and why is in the log above: their addresses and errors are not the client's.
         raise service_unavailable(f"the engine failed this request on {tries} worker(s) in turn; retry later",
                                   code="engine_failed")
+
+    def _name_prefix(self, route: Route) -> None:
+        """Sends the prompt's chunk digests to a worker that publishes what its cache holds in them."""
+        if route.prefix_hashes and route.client.prefix_view_id:
+            self.request.prefix_chunks.CopyFrom(engine_pb2.PrefixChunks(
+                digests=pack_digests(route.prefix_hashes), chunk_chars=CHUNK_CHARS,
+                text_chars=len(self.route_key.prefix_text)))
+        else:
+            self.request.ClearField("prefix_chunks")
 
     def _open_call(self, client: EngineClient) -> Any:
         """Starts the Generate call on `client`: counted in its in_flight until _release, and watched by

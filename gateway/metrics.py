@@ -74,6 +74,11 @@ ROUTING_DECISIONS = Counter(
 PREFIX_LOOKUP_CHUNKS = Counter(
     "taco_llm_router_prefix_lookup_chunks", "Prefix chunks of routed prompts (cache_aware)", registry=REGISTRY,
 )
+PREFIX_VIEW_LOOKUPS = Counter(
+    "taco_llm_router_prefix_view_lookups",
+    "Workers' prefix matches by where they came from: shared (what the worker published that its KV cache "
+    "holds) or approximate (what this gateway sent it)", ["view"], registry=REGISTRY,
+)
 PREFIX_HIT_CHUNKS = Counter(
     "taco_llm_router_prefix_hit_chunks",
     "Prefix chunks the chosen worker was believed to hold, on the worker or in its shared cache service",

@@ -14,18 +14,24 @@ requests through, not already tried by this request. A policy only orders the el
   sent is warm on all of them, at --cache-aware-offload-discount of a local hit, since the worker
   fetches those blocks from host memory instead of recomputing them. The pool has a worker's index
   forgotten when it leaves or restarts, and a service's when it restarts empty (engine_pool.py).
+  A worker that publishes its prefix cache (prefix_view.py) is matched on what it published, which
+  every gateway replica reads alike, and on what this gateway sent it in the last few seconds, which it
+  may not have published yet; the approximate index is for the workers that publish nothing, and for
+  while the shared view cannot be read.
 """
 
 from __future__ import annotations
 
 import abc
 import random
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Generic, Protocol, TypeVar
 
-from .metrics import PREFIX_HIT_CHUNKS, PREFIX_LOOKUP_CHUNKS
-from .prefix_index import DEFAULT_CAPACITY, PrefixIndex, chunk_hashes
+from .metrics import PREFIX_HIT_CHUNKS, PREFIX_LOOKUP_CHUNKS, PREFIX_VIEW_LOOKUPS
+from .prefix_index import DEFAULT_CAPACITY, PrefixIndex, RecentPrefixes, chunk_hashes
+from .prefix_view import SharedPrefixView
 
 if TYPE_CHECKING:
     from .engine_pool import EngineClient
@@ -54,6 +60,8 @@ class Route:
     policy: str                # "round_robin" | "least_load" | "cache_aware"
     reason: str
     prefix_match: float        # 0..1 on the chosen worker (0 when not cache_aware)
+    # The prompt's chunk digests as matched (cache_aware only), sent to a worker that publishes its cache.
+    prefix_hashes: tuple[bytes, ...] = ()
 
 
 class RoutingTarget(Protocol):
@@ -71,6 +79,9 @@ class RoutingTarget(Protocol):
     @property
     def cache_group(self) -> str: ...  # the shared cache service's address, "" for none
 
+    @property
+    def prefix_view_id(self) -> str: ...  # the worker_id it publishes its prefix cache under; "" for none
+
 
 T = TypeVar("T", bound=RoutingTarget)
 
@@ -80,6 +91,7 @@ class Choice(Generic[T]):
     target: T
     reason: str
     prefix_match: float = 0.0
+    prefix_hashes: tuple[bytes, ...] = ()
 
 
 def tenant_of(model: str, cache_salt: str) -> str:
@@ -139,19 +151,25 @@ class CacheAware(Policy):
     name = "cache_aware"
 
     def __init__(self, *, balance_abs_threshold: float, balance_rel_threshold: float, offload_discount: float,
-                 capacity: int = DEFAULT_CAPACITY, rng: random.Random | None = None) -> None:
+                 capacity: int = DEFAULT_CAPACITY, rng: random.Random | None = None,
+                 view: SharedPrefixView | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(rng)
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self.offload_discount = offload_discount
         self.capacity = capacity
+        self.view = view
+        self.clock = clock
         self._workers: dict[str, PrefixIndex] = {}
+        # What was sent to each publishing worker lately, which it may not have published yet.
+        self._recent: dict[str, RecentPrefixes] = {}
         # One index per cache service, shared by every worker that offloads to it.
         self._services: dict[str, PrefixIndex] = {}
 
     def forget(self, member_id: str) -> None:
         # A cache service's index stays: the service keeps its blocks when one of its workers goes.
         self._workers.pop(member_id, None)
+        self._recent.pop(member_id, None)
 
     def forget_cache_group(self, service: str) -> None:
         self._services.pop(service, None)
@@ -162,7 +180,8 @@ class CacheAware(Policy):
 
     def choose(self, candidates: Sequence[T], *, model: str, key: RouteKey) -> Choice[T]:
         hashes = chunk_hashes(tenant_of(model, key.cache_salt), key.prefix_text)
-        own = [self._worker_index(c.member_id).match(hashes) for c in candidates]
+        now = self.clock()
+        own = [self._held(c, hashes, now) for c in candidates]
         shared = [self._service_index(c.cache_group).match(hashes) if c.cache_group else 0 for c in candidates]
         warm = [max(float(o), self.offload_discount * s) for o, s in zip(own, shared, strict=True)]
         matches = [w / len(hashes) if hashes else 0.0 for w in warm]
@@ -178,8 +197,9 @@ class CacheAware(Policy):
             # Among equals, the worker believed to hold the least (as SGLang sends a prefix no worker
             # has to its smallest tree): new prefixes spread over the fleet's caches instead of piling
             # onto one worker until the balance rule notices.
-            smallest = min(len(self._worker_index(candidates[i].member_id)) for i in tied)
-            index = self.rng.choice([i for i in tied if len(self._worker_index(candidates[i].member_id)) == smallest])
+            sizes = {i: self._size(candidates[i]) for i in tied}
+            smallest = min(sizes.values())
+            index = self.rng.choice([i for i in tied if sizes[i] == smallest])
             if warm[index] == 0:
                 reason = "least_load" if any(warm) else "no_match"
             elif own[index] >= self.offload_discount * shared[index]:
@@ -189,13 +209,41 @@ class CacheAware(Policy):
 
         chosen = candidates[index]
         self._worker_index(chosen.member_id).insert(hashes)
+        if self._shared(chosen):
+            self._recent_of(chosen.member_id).insert(hashes, now)
         if chosen.cache_group:
             self._service_index(chosen.cache_group).insert(hashes)
         if hashes:
             PREFIX_LOOKUP_CHUNKS.inc(len(hashes))
             PREFIX_HIT_CHUNKS.labels("worker").inc(own[index])
             PREFIX_HIT_CHUNKS.labels("shared_cache").inc(max(0, shared[index] - own[index]))
-        return Choice(chosen, reason, matches[index])
+        return Choice(chosen, reason, matches[index], tuple(hashes))
+
+    def _shared(self, target: RoutingTarget) -> bool:
+        """Whether the worker is matched on what it publishes (see the module's docstring)."""
+        return self.view is not None and self.view.synced and bool(target.prefix_view_id)
+
+    def _held(self, target: RoutingTarget, hashes: Sequence[bytes], now: float) -> int:
+        if self._shared(target):
+            assert self.view is not None
+            PREFIX_VIEW_LOOKUPS.labels("shared").inc()
+            return max(self.view.match(target.prefix_view_id, hashes),
+                       self._recent_of(target.member_id).match(hashes, now))
+        PREFIX_VIEW_LOOKUPS.labels("approximate").inc()
+        return self._worker_index(target.member_id).match(hashes)
+
+    def _size(self, target: RoutingTarget) -> int:
+        """How much the worker is believed to hold, to break ties toward the emptiest."""
+        if self._shared(target):
+            assert self.view is not None
+            return self.view.held(target.prefix_view_id) + len(self._recent_of(target.member_id))
+        return len(self._worker_index(target.member_id))
+
+    def _recent_of(self, member_id: str) -> RecentPrefixes:
+        recent = self._recent.get(member_id)
+        if recent is None:
+            recent = self._recent[member_id] = RecentPrefixes(capacity=self.capacity)
+        return recent
 
     def _worker_index(self, member_id: str) -> PrefixIndex:
         index = self._workers.get(member_id)
@@ -211,12 +259,14 @@ class CacheAware(Policy):
 
 
 def make_policy(name: str, *, balance_abs_threshold: float = 16, balance_rel_threshold: float = 1.5,
-                offload_discount: float = 0.75, rng: random.Random | None = None) -> Policy:
+                offload_discount: float = 0.75, rng: random.Random | None = None,
+                view: SharedPrefixView | None = None) -> Policy:
     if name == "round_robin":
         return RoundRobin(rng)
     if name == "least_load":
         return LeastLoad(rng)
     if name == "cache_aware":
         return CacheAware(balance_abs_threshold=balance_abs_threshold,
-                          balance_rel_threshold=balance_rel_threshold, offload_discount=offload_discount, rng=rng)
+                          balance_rel_threshold=balance_rel_threshold, offload_discount=offload_discount, rng=rng,
+                          view=view)
     raise ValueError(f"--routing {name!r} is not one of {', '.join(POLICIES)}")

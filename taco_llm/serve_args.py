@@ -392,7 +392,11 @@ def _fleet_argv(namespace: argparse.Namespace, given: dict[str, Any], worker_arg
             if name in given:
                 argv += _emit(BY_NAME[name], given[name])
         elif hasattr(namespace, dest):
-            argv += [name, str(getattr(namespace, dest))]
+            value = getattr(namespace, dest)
+            if isinstance(value, bool):
+                argv.append(name if value else f"--no-{name[2:]}")
+            else:
+                argv += [name, str(value)]
     if hasattr(namespace, "registry_url"):
         worker_argv += ["--registry-url", str(namespace.registry_url)]
     return argv

@@ -114,6 +114,14 @@ def test_gateway_flags_reach_the_gateway() -> None:
     assert args.worker_argv == []
 
 
+def test_the_shared_prefix_view_switches_reach_the_gateway_and_the_workers() -> None:
+    args = parse(["--registry-url", "redis://127.0.0.1:6379/0", "--no-shared-prefix-view",
+                  "--no-publish-prefix-cache"])
+    assert "--no-shared-prefix-view" in args.gateway_argv and "--no-shared-prefix-view" not in args.worker_argv
+    assert "--no-publish-prefix-cache" in args.worker_argv and "--no-publish-prefix-cache" not in args.gateway_argv
+    assert "--shared-prefix-view" in parse(["--shared-prefix-view"]).gateway_argv
+
+
 def test_docs_table_is_generated_from_the_flags() -> None:
     from taco_llm.flags import markdown_table
 

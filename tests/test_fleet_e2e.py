@@ -191,6 +191,47 @@ def test_repeated_prefixes_stick_and_distinct_ones_spread(fleet: Fleet, fleet_cl
     assert fleet.gateway_value("taco_llm_router_decisions_total", policy="cache_aware", reason="prefix_match") >= 12
 
 
+def _metric(base_url: str, name: str, **labels: str) -> float:
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name and set(labels.items()) <= set(sample.labels.items()))
+
+
+def test_a_second_gateway_routes_on_what_the_workers_publish(fleet: Fleet, fleet_client: openai.OpenAI,
+                                                             log_dir: Path) -> None:
+    # Another gateway replica on the same registry: it never sees the requests the first one routes,
+    # yet sends each prefix to the worker whose KV cache holds it, from what the workers publish
+    # (their vLLM KV cache events, through Redis). Its own approximate index would know nothing of them.
+    port = free_port()
+    second_url = f"http://127.0.0.1:{port}"
+    second = start("fleet-gateway-2", ["gateway", "--port", str(port), "--registry-url", fleet.redis.url,
+                                       "--routing", "cache_aware"], log_dir)
+    try:
+        wait_until(second, lambda: http_status(f"{second_url}/health") == 200 and all(
+            _metric(second_url, "taco_llm_worker_ready", worker=fleet.worker_address(i)) == 1
+            for i in range(NUM_WORKERS)))
+        clients = [fleet_client, openai.OpenAI(base_url=f"{second_url}/v1", api_key="unused", max_retries=0,
+                                               timeout=300)]
+        # Short documents (one or two KV blocks each), so that all of them fit in the two caches at once:
+        # a prefix that stays held must stay put.
+        homes: dict[int, list[int]] = {}
+        for round_ in range(3):
+            for topic in range(100, 108):
+                before = fleet.served()
+                # Each repeat through the other gateway than the time before.
+                clients[(topic + round_) % 2].completions.create(
+                    model="SmolLM2-135M-Instruct", prompt=f"{_document(topic, words=60)}\n\nQ: Go on.\nA:",
+                    max_tokens=2, temperature=0)
+                homes.setdefault(topic, []).append(_which(fleet, before))
+        moved = {topic: workers for topic, workers in homes.items() if len(set(workers)) > 1}
+        assert not moved, f"prefixes moved between workers when asked through the other gateway: {moved}"
+        assert _metric(second_url, "taco_llm_router_prefix_view_lookups_total", view="shared") > 0
+        assert _metric(second_url, "taco_llm_router_prefix_view_lookups_total", view="approximate") == 0
+    finally:
+        second.stop()
+
+
 def test_skewed_load_spills_to_the_idle_worker(fleet: Fleet) -> None:
     prompt = f"{_document(40)}\n\nQ: Continue the list.\nA:"
     spill_reasons = ("balance", "shared_cache", "least_load")
