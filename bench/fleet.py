@@ -2,7 +2,7 @@
 the prefix-KV offload off and on, and what a client sees when a worker is killed mid-run.
 
     python bench/fleet.py [--requests 200] [--rate 1.0] [--seed 0] [--rows cache_aware_off,...]
-                          [--no-kill-run | --kill-run] [--out bench/results/fleet.json]
+                          [--no-kill-run | --kill-run] [--gateways 1,2,3] [--out bench/results/fleet.json]
 
 Workload: 8 pseudo-documents (deterministic, distinct from their first token), each the system prompt
 of a chat whose shared prefix (chat template + document) is --prefix-tokens long (512 by default: four
@@ -43,6 +43,15 @@ Workers are found as descendants of the serve process whose command line runs
 GetModelInfo). Reported: client-visible errors (target 0), the gateway's retries and migrations, and
 the worker pids afterwards (the restart).
 
+Several gateways (--gateways 1,2,3, instead of the rows and the kill run above): cache_aware, offload
+off, the workers registered in a Redis the script starts (serve --registry-url), and N gateways in all:
+serve's own and N - 1 `taco_llm gateway --registry-url` processes on the same workers, behind a
+round-robin front (request i, and warm-up request i, go to gateway i mod N). Two rows per N:
+`gateways<N>_approximate` (--no-shared-prefix-view: each gateway matches what it alone sent) and
+`gateways<N>_shared` (what the workers publish their caches hold, from vLLM's KV cache events). The
+gateways' metrics are summed. `comparisons` gives each row's hit rate against the one-gateway row of
+its view.
+
 Written to --out after every row, so that a long run's finished rows survive. The machine is shared
 and noisy: this is a script, not a test.
 """
@@ -51,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import math
@@ -60,7 +70,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,6 +86,7 @@ ROWS = {f"{policy}_{'on' if offload else 'off'}": (policy, offload)
 KV_BLOCK_TOKENS = 128  # vLLM's CPU backend block size
 DOCUMENTS = 8
 WORKERS = 2
+GATEWAY_VIEWS = ("approximate", "shared")
 # cache_aware with offload on counts as no worse than the best other row within this share of TTFT p50.
 NOISE_MARGIN = 0.10
 WARM_UP_QUESTION = "Which words does this document use most?"
@@ -274,18 +285,24 @@ async def one_request(client: openai.AsyncOpenAI, document: str, question: str, 
     return outcome
 
 
-async def drive(url: str, documents: list[str], schedule: list[Arrival], max_tokens: int, label: str,
+def _clients(urls: list[str]) -> list[openai.AsyncOpenAI]:
+    return [openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="bench", max_retries=0, timeout=600) for url in urls]
+
+
+async def drive(urls: list[str], documents: list[str], schedule: list[Arrival], max_tokens: int, label: str,
                 at_half: Callable[[Callable[[], int]], Coroutine[Any, Any, None]] | None = None,
                 ) -> tuple[list[Outcome], float]:
-    """Sends each request at its arrival time; once half are sent, `at_half` runs beside the rest with a
-    function that counts the requests in flight. Returns the outcomes in arrival order and the wall time."""
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="bench", max_retries=0, timeout=600)
+    """Sends each request at its arrival time, request i to gateway i mod len(urls) (a round-robin
+    front); once half are sent, `at_half` runs beside the rest with a function that counts the requests
+    in flight. Returns the outcomes in arrival order and the wall time."""
+    clients = _clients(urls)
     outcomes: list[Outcome | None] = [None] * len(schedule)
     done = 0
 
     async def send(index: int, arrival: Arrival) -> None:
         nonlocal done
-        outcomes[index] = await one_request(client, documents[arrival.document], arrival.question, max_tokens)
+        outcomes[index] = await one_request(clients[index % len(clients)], documents[arrival.document],
+                                            arrival.question, max_tokens)
         done += 1
         if done % 20 == 0 or done == len(schedule):
             errors = sum(1 for o in outcomes if o is not None and o.error)
@@ -301,18 +318,21 @@ async def drive(url: str, documents: list[str], schedule: list[Arrival], max_tok
             side.append(asyncio.create_task(at_half(lambda: len(tasks) - done)))
     await asyncio.gather(*tasks, *side)
     wall = time.perf_counter() - start
-    await client.close()
+    for client in clients:
+        await client.close()
     return [o for o in outcomes if o is not None], wall
 
 
-async def warm_up(url: str, documents: list[str], max_tokens: int) -> None:
-    """One pass over the documents, one at a time, so each worker starts the timed part with some warm."""
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="bench", max_retries=0, timeout=600)
-    for document in documents:
-        outcome = await one_request(client, document, WARM_UP_QUESTION, max_tokens)
+async def warm_up(urls: list[str], documents: list[str], max_tokens: int) -> None:
+    """One pass over the documents, one at a time (document i through gateway i mod len(urls)), so each
+    worker starts the timed part with some warm."""
+    clients = _clients(urls)
+    for index, document in enumerate(documents):
+        outcome = await one_request(clients[index % len(clients)], document, WARM_UP_QUESTION, max_tokens)
         if outcome.error:
             raise RuntimeError(f"warm-up request failed: {outcome.error}")
-    await client.close()
+    for client in clients:
+        await client.close()
 
 
 def percentile(values: Iterable[float], q: float) -> float | None:
@@ -438,10 +458,20 @@ class Fleet:
     process: subprocess.Popen[bytes] | None = None
     workers: list[WorkerProcess] = field(default_factory=list)
     num_workers: int = WORKERS
+    # More gateways on the same workers (`taco_llm gateway --registry-url`): their argv and URLs.
+    more_gateways: list[tuple[list[str], str]] = field(default_factory=list)
+    gateway_processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    @property
+    def urls(self) -> list[str]:
+        return [self.url, *(url for _, url in self.more_gateways)]
 
     def start(self) -> None:
         self.process = launch(self.argv, self.log)
         wait_healthy(f"{self.url}/health", [self.process])
+        for n, (argv, url) in enumerate(self.more_gateways, start=2):
+            self.gateway_processes.append(launch(argv, self.log.with_suffix(f".gateway{n}.log")))
+            wait_healthy(f"{url}/health", [self.process, self.gateway_processes[-1]])
         deadline = time.monotonic() + 900
         found = worker_processes(self.process.pid)
         while len(found) < self.num_workers:
@@ -455,21 +485,31 @@ class Fleet:
         self.wait_gateway_sees_workers()
 
     def wait_gateway_sees_workers(self) -> None:
-        """Until the gateway counts every worker ready, where it says (taco_llm_worker_ready)."""
+        """Until every gateway counts every worker ready, where it says (taco_llm_worker_ready)."""
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            ready = by_label(self.gateway_metrics(), "taco_llm_worker_ready", "worker")
-            if not ready or sum(ready.values()) >= self.num_workers:
-                return
-            time.sleep(0.5)
-        raise RuntimeError(f"the gateway did not see {self.num_workers} ready workers within 120s; see {self.log}")
+        for url in self.urls:
+            while time.monotonic() < deadline:
+                ready = by_label(scrape(f"{url}/metrics"), "taco_llm_worker_ready", "worker")
+                if not ready or sum(ready.values()) >= self.num_workers:
+                    break
+                time.sleep(0.5)
+            else:
+                raise RuntimeError(f"the gateway at {url} did not see {self.num_workers} ready workers within "
+                                   f"120s; see {self.log}")
 
     def stop(self) -> None:
+        for process in self.gateway_processes:
+            stop(process)
         if self.process is not None:
             stop(self.process)
 
     def gateway_metrics(self) -> Snapshot:
-        return scrape(f"{self.url}/metrics")
+        """Every gateway's metrics, summed."""
+        merged: Snapshot = {}
+        for url in self.urls:
+            for key, value in scrape(f"{url}/metrics").items():
+                merged[key] = merged.get(key, 0.0) + value
+        return merged
 
     def worker_metrics(self) -> Snapshot | None:
         """The workers' metrics summed (their label sets kept apart by a `bench_worker` label); None
@@ -483,12 +523,20 @@ class Fleet:
         return merged
 
 
-def serve_argv(python: str, port: int, policy: str, *, offload: bool, kv_bytes: int) -> list[str]:
+def view_flags(view: str | None) -> list[str]:
+    """The gateway flags of a row's prefix view (None: a row without a registry)."""
+    return ["--no-shared-prefix-view"] if view == "approximate" else []
+
+
+def serve_argv(python: str, port: int, policy: str, *, offload: bool, kv_bytes: int,
+               registry_url: str | None = None, view: str | None = None) -> list[str]:
     grpc_base, metrics_base = free_port_run(WORKERS), free_port_run(WORKERS)
     argv = [python, "-m", "taco_llm.cli", "serve", "--port", str(port), "--grpc-port", str(grpc_base),
             "--metrics-port", str(metrics_base), "--num-workers", str(WORKERS), "--routing", policy,
             "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "8",
             "--kv-cache-memory-bytes", str(kv_bytes), "--seed", "0"]
+    if registry_url is not None:
+        argv += ["--registry-url", registry_url, *view_flags(view)]
     if offload:
         argv += ["--enable-prefix-cache-offload", "--cache-service-port", str(free_port_run(1)),
                  # ~480 MiB of a 24 GiB host: every document's blocks, several times over.
@@ -559,15 +607,55 @@ async def _busiest_worker(fleet: Fleet, in_flight: Callable[[], int],
     return fleet.workers[0], 0.0
 
 
-def run_row(setup: Setup, name: str, policy: str, *, offload: bool, kill: bool = False) -> dict[str, Any]:
+@contextlib.contextmanager
+def redis_server(log_dir: Path) -> Iterator[str]:
+    """A redis-server of this run's own, on a free port, without persistence: its URL."""
     from servers import free_port
 
     port = free_port()
-    fleet = Fleet(serve_argv(setup.python, port, policy, offload=offload, kv_bytes=setup.kv_bytes),
+    process = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                "--appendonly", "no", "--dir", str(log_dir)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True).returncode != 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError("redis-server did not start")
+            time.sleep(0.1)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        process.terminate()
+        process.wait(20)
+
+
+def run_row(setup: Setup, name: str, policy: str, *, offload: bool, kill: bool = False,
+            gateways: int = 1, view: str | None = None) -> dict[str, Any]:
+    """One row; with `view` ("approximate" or "shared"), its workers register in a Redis of the row's
+    own, and `gateways` gateways in all serve them."""
+    if view is None:
+        return _run_row(setup, name, policy, offload=offload, kill=kill)
+    with redis_server(setup.log_dir) as registry_url:
+        return _run_row(setup, name, policy, offload=offload, kill=kill, gateways=gateways, view=view,
+                        registry_url=registry_url)
+
+
+def _run_row(setup: Setup, name: str, policy: str, *, offload: bool, kill: bool, gateways: int = 1,
+             view: str | None = None, registry_url: str | None = None) -> dict[str, Any]:
+    from servers import free_port
+
+    port = free_port()
+    fleet = Fleet(serve_argv(setup.python, port, policy, offload=offload, kv_bytes=setup.kv_bytes,
+                             registry_url=registry_url, view=view),
                   f"http://127.0.0.1:{port}", setup.log_dir / f"{name}.log")
+    for _ in range(gateways - 1):
+        more = free_port()
+        fleet.more_gateways.append(([setup.python, "-m", "taco_llm.cli", "gateway", "--port", str(more),
+                                     "--registry-url", str(registry_url), "--routing", policy, *view_flags(view)],
+                                    f"http://127.0.0.1:{more}"))
     started = time.perf_counter()
     print(f"{name}: starting serve --num-workers {WORKERS} --routing {policy}"
-          f"{' --enable-prefix-cache-offload' if offload else ''} (log {fleet.log})", flush=True)
+          f"{' --enable-prefix-cache-offload' if offload else ''}"
+          f"{f' with {gateways} gateways, {view} prefix view' if view else ''} (log {fleet.log})", flush=True)
     killed: dict[str, Any] = {}
 
     async def kill_one(in_flight: Callable[[], int]) -> None:
@@ -581,10 +669,10 @@ def run_row(setup: Setup, name: str, policy: str, *, offload: bool, kill: bool =
     try:
         fleet.start()
         print(f"  {name}: ready in {time.perf_counter() - started:.0f}s; warming up", flush=True)
-        asyncio.run(warm_up(fleet.url, setup.documents, setup.max_tokens))
+        asyncio.run(warm_up(fleet.urls, setup.documents, setup.max_tokens))
         gateway_before, workers_before = fleet.gateway_metrics(), fleet.worker_metrics()
         timed_start = time.perf_counter()
-        outcomes, wall = asyncio.run(drive(fleet.url, setup.documents, setup.schedule, setup.max_tokens, name,
+        outcomes, wall = asyncio.run(drive(fleet.urls, setup.documents, setup.schedule, setup.max_tokens, name,
                                            at_half=kill_one if kill else None))
         try:
             gateway = difference(fleet.gateway_metrics(), gateway_before)
@@ -600,7 +688,7 @@ def run_row(setup: Setup, name: str, policy: str, *, offload: bool, kill: bool =
     summary = summarize(outcomes, wall)
     workers = (difference(workers_after, workers_before)
                if workers_after is not None and workers_before is not None else None)
-    row = {"policy": policy, "offload": offload, **summary, **fleet_figures(
+    row = {"policy": policy, "offload": offload, "gateways": gateways, "prefix_view": view, **summary, **fleet_figures(
         gateway, workers, summary, why_no_workers="a worker was killed" if kill else "no worker served metrics")}
     if kill:
         row.update(killed=killed, serve_alive_after=alive, worker_pids_after=[pid for pid, _ in after])
@@ -616,6 +704,23 @@ def _ms(seconds: float | None) -> str:
 
 def _pct(share: float | None) -> str:
     return "-" if share is None else f"{100 * share:.0f}%"
+
+
+def gateway_comparisons(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each several-gateway row's hit rate against the one-gateway row of its view, and the issue's
+    target: with 3 gateways, the shared view within 0.05 of one gateway's and at least 0.9."""
+    result: dict[str, Any] = {}
+    for name, row in rows.items():
+        one = rows.get(f"gateways1_{row['prefix_view']}")
+        if row["gateways"] > 1 and one is not None and row["prefix_hit_rate_cached_tokens"] is not None:
+            result[f"{name}_hit_rate_minus_one_gateway"] = (row["prefix_hit_rate_cached_tokens"]
+                                                             - one["prefix_hit_rate_cached_tokens"])
+    three, one = rows.get("gateways3_shared"), rows.get("gateways1_shared")
+    if three is not None and one is not None:
+        result["target_met_3_gateways_shared"] = (
+            three["prefix_hit_rate_cached_tokens"] >= 0.9
+            and one["prefix_hit_rate_cached_tokens"] - three["prefix_hit_rate_cached_tokens"] <= 0.05)
+    return result
 
 
 def comparisons(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -650,8 +755,17 @@ def main() -> int:
     kill.add_argument("--no-kill-run", dest="kill_run", action="store_false")
     parser.add_argument("--kill-max-tokens", type=int, default=64,
                         help="max_tokens in the kill run: longer replies, so that the kill cuts streams under way")
+    parser.add_argument("--gateways", default="", metavar="N,...",
+                        help="instead of --rows and the kill run: cache_aware rows with N gateways each, the "
+                        "approximate and the shared prefix view")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "fleet.json")
     args = parser.parse_args()
+    try:
+        gateway_counts = [int(n) for n in args.gateways.split(",") if n]
+    except ValueError:
+        parser.error(f"--gateways {args.gateways!r}: expected numbers separated by commas")
+    if any(n < 1 for n in gateway_counts):
+        parser.error(f"--gateways {args.gateways!r}: each count must be at least 1")
     chosen = [name for name in args.rows.split(",") if name]
     unknown = [name for name in chosen if name not in ROWS]
     if unknown:
@@ -689,6 +803,16 @@ def main() -> int:
         "rows": {},
     }
     print(json.dumps(results["setup"]), flush=True)
+    if gateway_counts:
+        for count in gateway_counts:
+            for view in GATEWAY_VIEWS:
+                name = f"gateways{count}_{view}"
+                results["rows"][name] = run_row(setup, name, "cache_aware", offload=False, gateways=count, view=view)
+                results["comparisons"] = gateway_comparisons(results["rows"])
+                args.out.write_text(json.dumps(results, indent=2))
+        print(json.dumps(results.get("comparisons", {}), indent=1))
+        print(f"wrote {args.out}")
+        return 0
     for name in chosen:
         policy, offload = ROWS[name]
         results["rows"][name] = run_row(setup, name, policy, offload=offload)
