@@ -19,6 +19,11 @@ from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 # One comment per import: [area] what the project uses it for, and why nothing public serves.
+# [prefix view] vLLM's KV cache events as its ZMQ publisher sends them (--kv-events-config): the batch to
+# decode and the three events (engine_worker/frontend/prefix_publisher.py). vLLM documents the wire format
+# by an example subscriber only.
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
 # [kv connector] The connector vLLM built in this worker process: tests read what it computed
 # (tests/offload_kv_probe.py); vLLM hands a connector nothing that names it.
 from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -396,8 +401,11 @@ __all__ = [
     "REPEATED_MESSAGES",
     "SIGNATURES",
     "UNTRUSTED_CHAT_TEMPLATE",
+    "AllBlocksCleared",
     "AttentionMetadata",
     "BaseRenderer",
+    "BlockRemoved",
+    "BlockStored",
     "CacheHitSource",
     "ChatCompletionNamedToolChoiceParam",
     "ChatCompletionRequest",
@@ -408,6 +416,7 @@ __all__ = [
     "IterationStats",
     "KVCacheBlocks",
     "KVCacheConfig",
+    "KVEventBatch",
     "LoRAModulePath",
     "LoRAParserAction",
     "NgramProposer",

@@ -640,6 +640,11 @@ class EnginePool:
         CIRCUIT_STATE.labels(client.address).set(client.breaker.state(now))
         return Route(client, self.policy.name, choice.reason, choice.prefix_match, choice.prefix_hashes)
 
+    def prefilled(self, route: Route) -> None:
+        """The routed request's first message came: its worker has prefilled the prompt."""
+        if route.prefix_hashes and route.client.prefix_view_id:
+            self.policy.prefilled(route.client.member_id, route.prefix_hashes)
+
     def record_outcome(self, client: EngineClient, *, worker_fault: bool) -> None:
         """How a routed request went, for the worker's breaker: `worker_fault` for a fault of the worker
         (failover.is_worker_fault, or a stream that ended without `finished`), never for a

@@ -346,6 +346,7 @@ class EngineStream:
             else:
                 if first is not None:
                     self.pool.record_outcome(client, worker_fault=False)
+                    self.pool.prefilled(route)
                     if self._closed:
                         # Closed while the first message came: the call must not run on for nobody.
                         self._release()

@@ -117,6 +117,10 @@ class Policy(abc.ABC):
         """The shared cache service restarted, empty: only cache_aware remembers what it held."""
         del service
 
+    def prefilled(self, member_id: str, hashes: Sequence[bytes]) -> None:
+        """The worker has prefilled a prompt routed to it: only cache_aware notes it."""
+        del member_id, hashes
+
     def least_loaded(self, candidates: Sequence[RoutingTarget]) -> int:
         """The index of the least-loaded candidate, ties broken at random."""
         loads = [c.load for c in candidates]
@@ -173,6 +177,13 @@ class CacheAware(Policy):
 
     def forget_cache_group(self, service: str) -> None:
         self._services.pop(service, None)
+
+    def prefilled(self, member_id: str, hashes: Sequence[bytes]) -> None:
+        # Counted as sent from now on, not from when it was routed: a prefill that waited in the queue, or
+        # took long (a cold engine), must not outlast the time the worker is given to publish it.
+        recent = self._recent.get(member_id)
+        if recent is not None:
+            recent.insert(hashes, self.clock())
 
     def imbalanced(self, loads: Sequence[float]) -> bool:
         high, low = max(loads), min(loads)

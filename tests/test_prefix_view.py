@@ -19,10 +19,10 @@ import pytest
 import redis.asyncio as aioredis
 import zmq
 import zmq.asyncio
-from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 from taco_llm.engine_worker.frontend.held_prefixes import HeldBlocks, HeldChunks, chunk_blocks
 from taco_llm.engine_worker.frontend.prefix_publisher import PrefixPublisher, subscriber_endpoint
+from taco_llm.engine_worker.vllm_internals import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from taco_llm.gateway.prefix_index import CHUNK_CHARS, RecentPrefixes, chunk_hashes
 from taco_llm.gateway.prefix_view import SharedPrefixView
 from taco_llm.gateway.routing import CacheAware, RouteKey, tenant_of
@@ -83,8 +83,10 @@ def test_chunks_map_to_the_blocks_that_hold_their_share_of_the_prompt() -> None:
     text = "x" * (CHUNK_CHARS * 4)  # 4 chunks over a 16-token prompt: 4 tokens (one block) each
     mapping = list(chunk_blocks(_chunks(text), prompt_tokens=16, block_size=BLOCK))
     assert [blocks for _, blocks in mapping] == [1, 2, 3, 4]
-    # 14 tokens: 3 whole blocks; the fourth chunk's share ends in the partial block, never cached.
-    assert [blocks for _, blocks in chunk_blocks(_chunks(text), prompt_tokens=14, block_size=BLOCK)] == [1, 2, 3]
+    # 14 tokens: 3 whole blocks; the fourth chunk's share ends in the partial block, which no worker
+    # caches: it is held with the whole blocks before it.
+    assert [blocks for _, blocks in chunk_blocks(_chunks(text), prompt_tokens=14, block_size=BLOCK)] == [1, 2, 3, 3]
+    assert list(chunk_blocks(_chunks(text), prompt_tokens=3, block_size=BLOCK)) == [], "no whole block"
     assert list(chunk_blocks(engine_pb2.PrefixChunks(), prompt_tokens=16, block_size=BLOCK)) == []
     broken = engine_pb2.PrefixChunks(digests=b"123", chunk_chars=CHUNK_CHARS, text_chars=100)
     assert list(chunk_blocks(broken, prompt_tokens=16, block_size=BLOCK)) == [], "not whole digests: ignored"
@@ -326,7 +328,7 @@ async def test_the_publisher_reads_vllm_batches_from_zmq_and_starts_over_after_a
 
 
 def test_the_worker_turns_vllm_events_on_or_says_why_it_cannot() -> None:
-    from vllm.config.kv_events import KVEventsConfig
+    from vllm.config import KVEventsConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     from taco_llm.engine_worker.frontend.prefix_publisher import PublishError, events_endpoint
@@ -348,3 +350,30 @@ def test_the_worker_turns_vllm_events_on_or_says_why_it_cannot() -> None:
         assert events_endpoint(engine, asked=False) is None, "not asked: the worker runs without publishing"
         with pytest.raises(PublishError, match=flag):
             events_endpoint(engine, asked=True)
+
+
+def test_what_was_sent_counts_from_its_prefill_not_from_its_routing() -> None:
+    # A cold engine, or a queue, may take longer than the horizon to prefill: the gateway's own record of
+    # the send must then still cover the time the worker takes to publish what it cached.
+    class Clock:
+        now = 0.0
+
+        def __call__(self) -> float:
+            return self.now
+
+    class SyncedView(SharedPrefixView):
+        def __init__(self) -> None:
+            super().__init__("redis://127.0.0.1:1/0")  # never read: nothing published
+            self.synced = True
+
+    clock = Clock()
+    policy = CacheAware(balance_abs_threshold=16, balance_rel_threshold=1.5, offload_discount=0.75,
+                        view=SyncedView(), clock=clock)
+    workers = [FakeWorker(f"10.0.0.{n}:1", f"m{n}", f"m{n}") for n in range(2)]
+    key = RouteKey(model=MODEL, prefix_text="p" * (CHUNK_CHARS * 4))
+    first = policy.choose(workers, model=MODEL, key=key)
+    clock.now = 25.0  # prefilled 25 s after it was routed
+    policy.prefilled(first.target.member_id, first.prefix_hashes)
+    clock.now = 30.0  # its publication is late, yet the repeat goes where the prompt was sent
+    again = policy.choose(workers, model=MODEL, key=key)
+    assert again.target is first.target and again.reason == "prefix_match"

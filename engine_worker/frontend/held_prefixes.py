@@ -101,9 +101,11 @@ class HeldBlocks:
 
 
 def chunk_blocks(chunks: engine_pb2.PrefixChunks, prompt_tokens: int, block_size: int) -> Iterator[tuple[bytes, int]]:
-    """(digest, n) for each chunk that whole blocks of the prompt can hold: the chunk is held while the
-    prompt's first n blocks are. Its share of the tokens is its share of the text, rounded up; chunks
-    past the prompt's last whole block are never cached (vLLM caches whole blocks only)."""
+    """(digest, n) for each chunk: the chunk is held while the prompt's first n blocks are. Its share of
+    the tokens is its share of the text, rounded up. A chunk that ends in the prompt's last, partial
+    block is held with the whole blocks before it: vLLM caches whole blocks only, so no worker can hold
+    more of that prompt, and a worker that holds all it can must match it whole (as the approximate
+    indexes of workers that publish nothing do). A prompt shorter than a block holds nothing anywhere."""
     if not chunks.digests or chunks.text_chars == 0 or chunks.chunk_chars == 0 or block_size <= 0:
         return
     try:
@@ -111,13 +113,12 @@ def chunk_blocks(chunks: engine_pb2.PrefixChunks, prompt_tokens: int, block_size
     except ValueError:
         return
     whole_blocks = prompt_tokens // block_size
+    if whole_blocks == 0:
+        return
     for i, digest in enumerate(digests[:MAX_CHUNKS_PER_PROMPT]):
         end_chars = min((i + 1) * chunks.chunk_chars, chunks.text_chars)
         tokens = math.ceil(prompt_tokens * end_chars / chunks.text_chars)
-        blocks = max(1, math.ceil(tokens / block_size))
-        if blocks > whole_blocks:
-            return
-        yield digest, blocks
+        yield digest, min(max(1, math.ceil(tokens / block_size)), whole_blocks)
 
 
 class HeldChunks:

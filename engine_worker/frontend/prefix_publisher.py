@@ -31,8 +31,7 @@ import redis.asyncio
 import zmq
 import zmq.asyncio
 from redis.exceptions import RedisError
-from vllm.config.kv_events import KVEventsConfig
-from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from vllm.config import KVEventsConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 
 from taco_llm.protos import engine_pb2
@@ -49,6 +48,7 @@ from taco_llm.protos.prefix_view import (
     pack_digests,
 )
 
+from ..vllm_internals import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from .held_prefixes import HeldBlocks, HeldChunks, chunk_blocks
 
 logger = logging.getLogger(__name__)
@@ -56,8 +56,9 @@ logger = logging.getLogger(__name__)
 # How often changes are written: the time a gateway may route without knowing of a prefill just done.
 FLUSH_SECONDS = 0.05
 # How long a request's chunks wait for the events of its blocks (they come on another socket than its
-# output); past it, what was found is published and the rest is not.
-PENDING_SECONDS = 5.0
+# output, within milliseconds unless the machine is starved); past it, what was found is published and
+# the rest is not.
+PENDING_SECONDS = 30.0
 # Requests waiting for their blocks' events at most; the oldest are resolved with what is known first.
 MAX_PENDING = 4096
 
