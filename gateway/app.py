@@ -18,7 +18,7 @@ from taco_llm.version import package_version
 
 from . import user_middleware
 from .args import DEFAULT_STREAM_STALL_TIMEOUT
-from .auth import ApiKeyMiddleware
+from .auth import ApiKeyMiddleware, route_path
 from .engine_pool import EnginePool
 from .errors import APIError, from_validation
 from .from_engine import TokenText
@@ -26,9 +26,11 @@ from .metrics import MetricsMiddleware
 from .rate_limits import RateLimiter
 from .request_limits import RequestLimits, RequestLimitsMiddleware
 from .routes import Servings, api_router
+from .server_load import ServerLoad
 from .serving import EngineCalls, engine_metadata
 from .serving_chat import ServingChat
 from .serving_completion import ServingCompletion
+from .serving_messages import ServingMessages
 from .serving_models import ServingModels
 from .serving_tokenization import ServingTokenization
 from .tenants import ApiKeys, RateLimits
@@ -92,20 +94,20 @@ class GatewaySettings:
         return "https" if self.tls is not None else "http"
 
 
-async def _api_error(_: Request, error: Exception) -> JSONResponse:
+async def _api_error(request: Request, error: Exception) -> JSONResponse:
     assert isinstance(error, APIError)
-    return error.response()
+    return error.response(route_path(request.scope))
 
 
-async def _validation_error(_: Request, error: Exception) -> JSONResponse:
+async def _validation_error(request: Request, error: Exception) -> JSONResponse:
     assert isinstance(error, RequestValidationError)
-    return from_validation(error).response()
+    return from_validation(error).response(route_path(request.scope))
 
 
-async def _unexpected(_: Request, error: Exception) -> JSONResponse:
+async def _unexpected(request: Request, error: Exception) -> JSONResponse:
     logger.exception("unhandled error")
     # What failed is in the log; the client learns only that it was the server's fault.
-    return APIError(500, "the server failed while handling this request").response()
+    return APIError(500, "the server failed while handling this request").response(route_path(request.scope))
 
 
 def create_app(settings: GatewaySettings, pool: EnginePool | None = None) -> FastAPI:
@@ -134,13 +136,19 @@ def create_app(settings: GatewaySettings, pool: EnginePool | None = None) -> Fas
                           max_migrations=settings.max_migrations,
                           stream_stall_timeout=settings.stream_stall_timeout)
     token_text = TokenText(as_token_ids=settings.return_tokens_as_token_ids)
+    server_load = ServerLoad()
+    chat = ServingChat(engines, response_role=settings.response_role, token_text=token_text,
+                       stream_interval=settings.stream_interval,
+                       max_conversations_per_batch=settings.request_limits.max_prompts_per_batch)
+    tokenization = ServingTokenization(engines)
     app.include_router(api_router(Servings(
-        chat=ServingChat(engines, response_role=settings.response_role, token_text=token_text,
-                         stream_interval=settings.stream_interval),
+        chat=chat,
+        messages=ServingMessages(chat, tokenization),
         completion=ServingCompletion(engines, token_text=token_text, stream_interval=settings.stream_interval,
                                      max_prompts_per_batch=settings.request_limits.max_prompts_per_batch),
-        models=ServingModels(pool),
-        tokenization=ServingTokenization(engines),
+        models=ServingModels(pool, server_load),
+        server_load=server_load,
+        tokenization=tokenization,
     ), all_processes_metrics=settings.api_server_count > 1))
 
     # The last added runs first: metrics see every answer, CORS headers go on refusals too, and a

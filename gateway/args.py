@@ -179,8 +179,9 @@ REQUEST_LIMIT_FLAGS: list[tuple[str, dict[str, object]]] = [
                           "help": "a JSON body nested deeper is refused with 400 before it is parsed into a "
                                   "request (default: 64)"}),
     ("--max-prompts-per-batch", {"type": int, "default": DEFAULT_MAX_PROMPTS_PER_BATCH, "metavar": "N",
-                                 "help": "a completion with more prompts in its `prompt` list is refused with "
-                                         "400; each prompt is an engine request (default: 128)"}),
+                                 "help": "a completion with more prompts in its `prompt` list, or a "
+                                         "/v1/chat/completions/batch with more conversations, is refused with "
+                                         "400; each is an engine request (default: 128)"}),
 ]
 
 

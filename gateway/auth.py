@@ -11,6 +11,7 @@ A plain ASGI middleware (see metrics.py for why not BaseHTTPMiddleware). CORS pr
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from starlette.requests import Request
@@ -25,7 +26,7 @@ TENANT_STATE = "tenant"
 ISOLATION_STATE = "tenant_isolation"
 
 
-def route_path(scope: dict[str, Any]) -> str:
+def route_path(scope: Mapping[str, Any]) -> str:
     """The path the router matches: without the root path a proxy (or --root-path) put in front."""
     path: str = scope.get("path", "")
     root = scope.get("root_path", "")
@@ -35,10 +36,15 @@ def route_path(scope: dict[str, Any]) -> str:
 
 
 def bearer_token(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The key a request presents: `Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY` (its SDK
+    sends that one) where there is no Authorization header."""
     for name, value in headers:
         if name.lower() == b"authorization":
             scheme, _, token = value.partition(b" ")
             return token.strip() if scheme.lower() == b"bearer" else None
+    for name, value in headers:
+        if name.lower() == b"x-api-key":
+            return value.strip()
     return None
 
 
@@ -69,10 +75,10 @@ class ApiKeyMiddleware:
             if scope["type"] == "websocket":
                 await send({"type": "websocket.close", "code": 1008})
                 return
-            error = APIError(401, "Missing or invalid API key: send 'Authorization: Bearer <key>' "
-                                  "(see --api-key and --api-keys-file).", code="invalid_api_key")
+            error = APIError(401, "Missing or invalid API key: send 'Authorization: Bearer <key>' or "
+                                  "'x-api-key: <key>' (see --api-key and --api-keys-file).", code="invalid_api_key")
             error.headers["WWW-Authenticate"] = "Bearer"
-            await error.response()(scope, receive, send)
+            await error.response(route_path(scope))(scope, receive, send)
             return
         state = scope.setdefault("state", {})
         state[TENANT_STATE] = tenant
@@ -83,7 +89,7 @@ class ApiKeyMiddleware:
         try:
             admission = self.limiter.admit(tenant)
         except APIError as refusal:
-            await refusal.response()(scope, receive, send)
+            await refusal.response(route_path(scope))(scope, receive, send)
             return
         await self._admitted(admission, scope, receive, send)
 

@@ -68,8 +68,35 @@ class APIError(Exception):
             }
         }
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers or None)
+    def anthropic_body(self) -> dict[str, object]:
+        """Anthropic's error shape, for the Messages API's routes. It has no `param`: the message
+        starts with the field's name instead."""
+        message = f"{self.param}: {self.message}" if self.param else self.message
+        kind = _ANTHROPIC_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "api_error")
+        return {"type": "error", "error": {"type": kind, "message": message}}
+
+    def response(self, path: str = "") -> JSONResponse:
+        """The answer to send; `path` (the route's, without a root path) picks the error's shape."""
+        body = self.anthropic_body() if speaks_anthropic(path) else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers or None)
+
+
+# The Messages API's routes: their errors take Anthropic's shape, whoever refuses the request.
+ANTHROPIC_ROUTES = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+
+
+def speaks_anthropic(path: str) -> bool:
+    return path in ANTHROPIC_ROUTES
 
 
 def service_unavailable(message: str, *, retry_after: int = 1, code: str = "no_engine_ready") -> APIError:

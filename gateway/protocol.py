@@ -7,9 +7,9 @@ Unknown fields are accepted and ignored, as OpenAI's and vLLM's servers do.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, RootModel, Tag
 
 from taco_llm.protos.engine_limits import CHAT_ROLES
 
@@ -119,8 +119,7 @@ class SamplingFields(_Lenient):
     prompt_logprobs: int | None = None
 
 
-class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessageParam] = Field(json_schema_extra={"minItems": 1})
+class _ChatFields(SamplingFields):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
@@ -133,6 +132,18 @@ class ChatCompletionRequest(SamplingFields):
     echo: bool | None = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_ChatFields):
+    messages: list[ChatMessageParam] = Field(json_schema_extra={"minItems": 1})
+
+
+class BatchChatCompletionRequest(_ChatFields):
+    """/v1/chat/completions/batch, as vLLM 0.32's: a chat completion's fields, with `messages` a list of
+    conversations, each answered on its own; choice i answers conversation i. Not streamed, without
+    tools, one choice per conversation."""
+
+    messages: list[list[ChatMessageParam]] = Field(json_schema_extra={"minItems": 1})
 
 
 class CompletionRequest(SamplingFields):
@@ -148,6 +159,8 @@ class TokenizeRequest(_Lenient):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessageParam] | None = None
+    # With messages: the tools the chat template renders into the prompt, as a chat completion's.
+    tools: list[dict[str, Any]] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
@@ -257,6 +270,44 @@ class TokenizeResponse(_Lenient):
 
 class DetokenizeResponse(_Lenient):
     prompt: str
+
+
+def _invocation_kind(body: Any) -> str:
+    return "chat" if isinstance(body, dict) and "messages" in body else "completion"
+
+
+class InvocationRequest(RootModel[Annotated[Annotated[ChatCompletionRequest, Tag("chat")]
+                                            | Annotated[CompletionRequest, Tag("completion")],
+                                            Discriminator(_invocation_kind)]]):
+    """SageMaker's /invocations: a chat completion request (it has `messages`) or a completion
+    request (it has `prompt`)."""
+
+
+class InvocationResponse(RootModel[ChatCompletionResponse | CompletionResponse]):
+    """What /invocations answers: a chat completion or a completion, as its body asked."""
+
+
+class LoadResponse(_Lenient):
+    # Requests on the generating routes this gateway process has not finished answering.
+    server_load: int
+
+
+class WorkerInfo(_Lenient):
+    address: str
+    ready: bool
+    models: list[str]
+    max_model_len: int | None
+    # Running and waiting requests, with a KV-cache term (the router's load); null before a report.
+    load: float | None
+    publishes_prefix_cache: bool
+
+
+class ServerInfo(_Lenient):
+    version: str
+    vllm: str | list[str]
+    routing: str
+    shared_prefix_view: bool
+    workers: list[WorkerInfo]
 
 
 class ModelCard(_Lenient):

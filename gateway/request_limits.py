@@ -27,6 +27,7 @@ from .args import (
     DEFAULT_MAX_PROMPTS_PER_BATCH,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
 )
+from .auth import route_path
 from .errors import APIError, field_path
 
 Scope = MutableMapping[str, Any]
@@ -170,13 +171,13 @@ class RequestLimitsMiddleware:
         if size > limits.max_header_bytes:
             await APIError(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
                            f"the request headers are {size} bytes, more than {limits.max_header_bytes} "
-                           "(the server's --max-header-bytes)", code="headers_too_large").response()(
+                           "(the server's --max-header-bytes)", code="headers_too_large").response(route_path(scope))(
                 scope, receive, send)
             return
         length = _content_length(headers)
         if length is not None and length > limits.max_request_body_bytes:
             # Refused before a byte of it is read (and before uvicorn sends `100 Continue`).
-            await _too_large(limits.max_request_body_bytes).response()(scope, receive, send)
+            await _too_large(limits.max_request_body_bytes).response(route_path(scope))(scope, receive, send)
             return
         if scope.get("method") not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
@@ -186,7 +187,7 @@ class RequestLimitsMiddleware:
             if body and not disconnected and _is_json(headers):
                 check_body(body, limits.max_json_depth)
         except APIError as error:
-            await error.response()(scope, receive, send)
+            await error.response(route_path(scope))(scope, receive, send)
             return
         await self.app(scope, _replay(body, disconnected, receive), send)
 

@@ -18,9 +18,18 @@ from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
+from .anthropic_protocol import (
+    AnthropicErrorResponse,
+    CountTokensRequest,
+    CountTokensResponse,
+    MessagesRequest,
+    MessagesResponse,
+    MessagesStreamEvent,
+)
 from .auth import isolated_cache_salt
 from .metrics import REGISTRY, all_processes_registry
 from .protocol import (
+    BatchChatCompletionRequest,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -29,15 +38,21 @@ from .protocol import (
     DetokenizeResponse,
     ErrorResponse,
     HealthStatus,
+    InvocationRequest,
+    InvocationResponse,
+    LoadResponse,
     MetricsTargetGroup,
     ModelList,
+    ServerInfo,
     StreamEvent,
     TokenizeRequest,
     TokenizeResponse,
     VersionResponse,
 )
+from .server_load import ServerLoad
 from .serving_chat import ServingChat
 from .serving_completion import ServingCompletion
+from .serving_messages import ServingMessages
 from .serving_models import ServingModels
 from .serving_tokenization import ServingTokenization
 
@@ -88,8 +103,11 @@ class Servings:
 
     chat: ServingChat
     completion: ServingCompletion
+    messages: ServingMessages
     models: ServingModels
     tokenization: ServingTokenization
+    # What /load counts: the generating routes' requests under way.
+    server_load: ServerLoad
 
 
 def api_router(servings: Servings, *, all_processes_metrics: bool = False) -> APIRouter:
@@ -102,14 +120,73 @@ def api_router(servings: Servings, *, all_processes_metrics: bool = False) -> AP
         generate_answers))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         body.cache_salt = isolated_cache_salt(request, body.cache_salt)  # before routing reads it
-        return await servings.chat.create(body, request)
+        return await servings.server_load.counted(servings.chat.create(body, request))
 
     @router.post("/v1/completions", response_model=None, responses=_answers(
         _ok(CompletionResponse, "The completion; with `stream: true`, text_completion events.", streams=True),
         generate_answers))
     async def completions(body: CompletionRequest, request: Request) -> Any:
         body.cache_salt = isolated_cache_salt(request, body.cache_salt)
-        return await servings.completion.create(body, request)
+        return await servings.server_load.counted(servings.completion.create(body, request))
+
+    # Anthropic's Messages API: its answers and its errors take Anthropic's shape (errors.py).
+    anthropic_refusals: Responses = {
+        status: {"model": AnthropicErrorResponse, "description": entry["description"]}
+        for status, entry in _answers(_REFUSALS, _BODY_REFUSALS, _UNAVAILABLE).items()}
+
+    @router.post("/v1/messages", response_model=None, responses=_answers(
+        {200: {"model": MessagesResponse,
+               "description": "The message; with `stream: true`, Anthropic's events (message_start, "
+                              "content_block_*, message_delta, message_stop).",
+               "content": {"text/event-stream": {"schema": MessagesStreamEvent.model_json_schema()}}}},
+        anthropic_refusals))
+    async def messages(body: MessagesRequest, request: Request) -> Any:
+        return await servings.server_load.counted(
+            servings.messages.create(body, request, cache_salt=isolated_cache_salt(request, None)))
+
+    @router.post("/v1/messages/count_tokens", response_model=None, responses=_answers(
+        _ok(CountTokensResponse, "The conversation's prompt tokens, as the model's chat template renders it."),
+        anthropic_refusals))
+    async def count_message_tokens(body: CountTokensRequest) -> dict[str, Any]:
+        return await servings.messages.count_tokens(body)
+
+    @router.post("/v1/chat/completions/batch", response_model=None, responses=_answers(
+        _ok(ChatCompletionResponse, "One choice per conversation, choice i for conversation i; the usage summed."),
+        generate_answers))
+    async def batch_chat_completions(body: BatchChatCompletionRequest, request: Request) -> Any:
+        body.cache_salt = isolated_cache_salt(request, body.cache_salt)
+        return await servings.server_load.counted(servings.chat.create_batch(body, request))
+
+    @router.post("/invocations", response_model=None, responses=_answers(
+        _ok(InvocationResponse, "SageMaker's entry point: a body with `messages` is a chat completion, one "
+            "with `prompt` a completion; answered as those routes answer (streamed with `stream: true`).",
+            streams=True),
+        generate_answers))
+    async def invocations(body: InvocationRequest, request: Request) -> Any:
+        inner = body.root
+        inner.cache_salt = isolated_cache_salt(request, inner.cache_salt)
+        if isinstance(inner, ChatCompletionRequest):
+            return await servings.server_load.counted(servings.chat.create(inner, request))
+        return await servings.server_load.counted(servings.completion.create(inner, request))
+
+    # SageMaker's health check, which sends GET or POST.
+    ping_answers = _answers(_ok(HealthStatus, "A worker is ready."), _REFUSALS, _UNAVAILABLE)
+
+    @router.get("/ping", response_model=None, responses=ping_answers)
+    @router.post("/ping", response_model=None, responses=ping_answers)
+    async def ping() -> dict[str, Any]:
+        return servings.models.ping()
+
+    @router.get("/load", response_model=None, responses=_answers(
+        _ok(LoadResponse, "Requests on the generating routes this gateway process is answering."), _REFUSALS))
+    async def load() -> dict[str, Any]:
+        return servings.models.load()
+
+    @router.get("/server_info", response_model=None, responses=_answers(
+        _ok(ServerInfo, "This gateway's version and routing, and its workers as its health checks see them."),
+        _REFUSALS))
+    async def server_info() -> dict[str, Any]:
+        return servings.models.server_info()
 
     @router.get("/health", response_model=None, responses={
         200: {"model": HealthStatus, "description": "A worker is ready."},

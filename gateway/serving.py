@@ -92,6 +92,14 @@ async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) ->
     watcher = asyncio.ensure_future(_until_disconnect(request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        # Cancelled by our caller (a batch whose other conversation was refused): the work goes too, and
+        # an error it already ended with is taken here, not left to be logged as never retrieved.
+        if not task.done():
+            task.cancel()
+        elif not task.cancelled():
+            task.exception()
+        raise
     finally:
         watcher.cancel()
     if not task.done():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -9,7 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from taco_llm.protos import engine_pb2
 
@@ -28,7 +29,7 @@ from .from_engine import (
     stop_reason,
     usage_json,
 )
-from .protocol import ChatCompletionRequest, ChatMessageParam
+from .protocol import BatchChatCompletionRequest, ChatCompletionRequest, ChatMessageParam
 from .request_context import OutputOptions, RequestContext
 from .routing import RouteKey
 from .serving import EngineCalls, unless_disconnected, usage_options
@@ -38,8 +39,10 @@ class ServingChat:
     """Made once per app, with the workers and the server's output options (from flags)."""
 
     def __init__(self, engines: EngineCalls, *, response_role: str, token_text: TokenText,
-                 stream_interval: int = 1) -> None:
+                 stream_interval: int = 1, max_conversations_per_batch: int | None = None) -> None:
         self.engines = engines
+        # --max-prompts-per-batch, for /v1/chat/completions/batch's conversations.
+        self.max_conversations_per_batch = max_conversations_per_batch
         self.response_role = response_role
         self.token_text = token_text
         # vLLM's --stream-interval: at most one chunk per this many tokens (see from_engine.coalesced).
@@ -47,6 +50,19 @@ class ServingChat:
 
     async def create(self, body: ChatCompletionRequest,
                      request: Request) -> StreamingResponse | JSONResponse | dict[str, Any]:
+        opened = await self.open(body, request)
+        if isinstance(opened, JSONResponse):
+            return opened
+        context, stream = opened
+        if body.stream:
+            return StreamingResponse(self._chunks(context, stream), media_type="text/event-stream")
+        return await unless_disconnected(request, self._whole(context, stream))
+
+    async def open(self, body: ChatCompletionRequest,
+                   request: Request) -> tuple[RequestContext, EngineStream] | JSONResponse:
+        """The request's engine stream, open on a worker (its first message read), and its context; the
+        answer to send instead where the client left first. Other front ends (the Messages API) shape
+        its output their own way."""
         arrival = time.perf_counter()
         if body.echo:
             raise bad_request("echo is not supported for chat completions", "echo")
@@ -68,16 +84,45 @@ class ServingChat:
                                   logprobs=bool(body.logprobs), return_token_ids=bool(body.return_token_ids),
                                   prompt_logprobs=body.prompt_logprobs is not None),
         )
-        if body.stream:
-            return StreamingResponse(self._chunks(context, stream), media_type="text/event-stream")
-        return await unless_disconnected(request, self._whole(context, stream))
+        return context, stream
+
+    async def create_batch(self, body: BatchChatCompletionRequest, request: Request) -> Response | dict[str, Any]:
+        """/v1/chat/completions/batch: each conversation a chat completion of its own (each routed on
+        its own prefix), answered together: choice i for conversation i, the usage summed."""
+        for field, refused in (("stream", bool(body.stream)), ("tools", bool(body.tools)),
+                               ("n", body.n not in (None, 1))):
+            if refused:
+                raise bad_request(f"{field} is not supported by /v1/chat/completions/batch", field)
+        limit = self.max_conversations_per_batch
+        if limit is not None and len(body.messages) > limit:
+            raise bad_request(f"{len(body.messages)} conversations is more than this server takes in one batch "
+                              f"({limit}, its --max-prompts-per-batch)", "messages")
+        shared = body.model_dump(exclude={"messages", "request_id"}, exclude_unset=True)
+        batch_id = body.request_id or uuid.uuid4().hex
+        conversations = [ChatCompletionRequest.model_validate(
+            {**shared, "messages": [m.model_dump(exclude_unset=True) for m in messages],
+             "request_id": f"{batch_id}-{i}"}) for i, messages in enumerate(body.messages)]
+        tasks = [asyncio.ensure_future(self.create(conversation, request)) for conversation in conversations]
+        try:
+            answers = await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:  # one refused: the others are not generated for nobody
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        replies = [answer for answer in answers if isinstance(answer, dict)]
+        if len(replies) < len(answers):  # the client left: what create() answers for that
+            return next(answer for answer in answers if not isinstance(answer, dict))
+        usage = {key: sum(reply["usage"][key] for reply in replies)
+                 for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+        choices = [{**reply["choices"][0], "index": i} for i, reply in enumerate(replies)]
+        return {**replies[0], "id": f"chatcmpl-{batch_id}", "choices": choices, "usage": usage}
 
     async def _whole(self, context: RequestContext, stream: EngineStream) -> dict[str, Any]:
         options = context.options
         result = await collect(stream, context.n)
         choices = []
         for c in result.choices:
-            message, reason = self._message(c)
+            message, reason = self.message(c)
             choice = {
                 "index": c.index,
                 "message": message,
@@ -96,7 +141,7 @@ class ServingChat:
             response["prompt_logprobs"] = prompt_logprobs_json(result.prompt_logprobs)
         return response
 
-    def _message(self, c: ChoiceState) -> tuple[dict[str, Any], str | None]:
+    def message(self, c: ChoiceState) -> tuple[dict[str, Any], str | None]:
         """The reply message and its finish reason; where the worker parsed tool calls, its parse."""
         if c.parsed is None:
             return {"role": self.response_role, "content": c.text, "tool_calls": []}, c.finish_reason

@@ -1,5 +1,5 @@
-"""/v1/models, /version, /health and /metrics/targets: what the workers serve and where their own
-metrics are, from the pool's health checks."""
+"""/v1/models, /version, /health, /ping, /load, /server_info and /metrics/targets: what the workers
+serve, how loaded the gateway is, and where the workers' own metrics are, from the pool's health checks."""
 
 from __future__ import annotations
 
@@ -10,13 +10,38 @@ from fastapi.responses import JSONResponse
 from taco_llm.version import package_version
 
 from .engine_pool import EnginePool
+from .server_load import ServerLoad
 
 
 class ServingModels:
     """Answers from the pool's last health check alone; no call reaches a worker."""
 
-    def __init__(self, pool: EnginePool) -> None:
+    def __init__(self, pool: EnginePool, load: ServerLoad | None = None) -> None:
         self.pool = pool
+        self.server_load = load or ServerLoad()
+
+    def ping(self) -> dict[str, Any]:
+        """SageMaker's /ping: 200 while a worker is ready, else the pool's 503 (with Retry-After)."""
+        if not self.pool.ready_clients():
+            raise self.pool.unavailable()
+        return {"status": "ok"}
+
+    def load(self) -> dict[str, Any]:
+        return {"server_load": self.server_load.in_progress}
+
+    def server_info(self) -> dict[str, Any]:
+        """What this gateway runs and sees: its version, routing, and each worker as its health checks
+        found it (no secret: no key, no flag values beyond these)."""
+        workers = []
+        for client in self.pool.clients:
+            info = client.info
+            workers.append({"address": client.address, "ready": client.ready,
+                            "models": list(info.served_model_names) if info is not None else [],
+                            "max_model_len": info.max_model_len if info is not None else None,
+                            "load": client.load if client.reported is not None else None,
+                            "publishes_prefix_cache": bool(client.prefix_view_id)})
+        return {**self.version(), "routing": self.pool.policy.name,
+                "shared_prefix_view": self.pool.prefix_view is not None, "workers": workers}
 
     def health(self) -> JSONResponse:
         if not self.pool.ready_clients():

@@ -375,6 +375,7 @@ def tokenize_request(body: TokenizeRequest) -> engine_pb2.TokenizeRequest:
             continue_final_message=body.continue_final_message,
             chat_template=body.chat_template,
             chat_template_kwargs=body.chat_template_kwargs,
+            tools=body.tools,
         ))
     elif body.prompt is not None:
         request.text = body.prompt

@@ -29,7 +29,8 @@ from .support import Stack
 # or of the wrong type) is generated freely.
 GENERATION_CAPS = {"max_tokens": 4, "max_completion_tokens": 4, "n": 2, "best_of": 2}
 # Where a chat leaves max_tokens out it generates to the end of the context: give it the cap.
-GENERATION_ROUTES = {"/v1/chat/completions", "/v1/completions"}
+GENERATION_ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/chat/completions/batch", "/invocations",
+                     "/v1/messages"}
 EXAMPLES = 1000
 # The checks a schema-driven fuzz can honestly hold this server to; left out: negative_data_rejection
 # and positive_data_acceptance (the gateway accepts unknown fields, as OpenAI's does, and refuses

@@ -6,6 +6,7 @@ import asyncio
 import json
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 
 import grpc
 import httpx
@@ -448,3 +449,40 @@ def test_validation_errors_name_the_field_without_union_tags() -> None:
             error = http.post(path, json=body).json()["error"]
             assert error["param"] == param, (body, error)
             assert ".str" not in error["message"] and "list[" not in error["message"], error
+
+
+async def test_server_load_counts_a_stream_until_its_body_ends() -> None:
+    from starlette.responses import JSONResponse
+
+    from taco_llm.gateway.server_load import ServerLoad
+
+    load = ServerLoad()
+    release = asyncio.Event()
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b"data: 1\n\n"
+        await release.wait()
+        yield b"data: 2\n\n"
+
+    async def answer() -> StreamingResponse:
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    streamed = await load.counted(answer())
+    assert load.in_progress == 1, "returned, not yet sent"
+    chunks = streamed.body_iterator.__aiter__()
+    assert await anext(chunks) == b"data: 1\n\n" and load.in_progress == 1, "under way"
+    release.set()
+    assert [chunk async for chunk in chunks] == [b"data: 2\n\n"] and load.in_progress == 0
+
+    async def whole() -> JSONResponse:
+        return JSONResponse({})
+
+    await load.counted(whole())
+    assert load.in_progress == 0
+
+    async def refused() -> JSONResponse:
+        raise ValueError("refused")
+
+    with pytest.raises(ValueError):
+        await load.counted(refused())
+    assert load.in_progress == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import jsonschema
@@ -292,3 +293,59 @@ def test_prompt_logprobs_over_http_as_vllm_returns_them(client: openai.OpenAI) -
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, stream=True,
                                   extra_body={"prompt_logprobs": 1})
     assert _error(excinfo)["param"] == "prompt_logprobs"
+
+
+# -- the small routes load balancers and platforms call, and vLLM 0.32's batch of conversations ------------
+
+
+def test_batch_of_conversations_answers_each_as_alone(client: openai.OpenAI, stack: Stack) -> None:
+    conversations = [[{"role": "user", "content": "Name a colour."}],
+                     [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Say hi."}]]
+    alone = [client.chat.completions.create(model=MODEL, messages=c, max_tokens=12, temperature=0)  # type: ignore[arg-type]
+             for c in conversations]
+    reply = httpx.post(f"{stack.base_url}/v1/chat/completions/batch", timeout=120, json={
+        "model": MODEL, "messages": conversations, "max_tokens": 12, "temperature": 0})
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert [c["message"]["content"] for c in body["choices"]] == [a.choices[0].message.content for a in alone]
+    assert body["usage"]["completion_tokens"] == sum(a.usage.completion_tokens for a in alone if a.usage)
+    for field, value in (("stream", True), ("n", 2), ("tools", [{"type": "function", "function": {"name": "f"}}])):
+        refused = httpx.post(f"{stack.base_url}/v1/chat/completions/batch", timeout=30, json={
+            "model": MODEL, "messages": conversations, field: value})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
+
+
+def test_invocations_dispatch_on_the_body_as_sagemaker_does(client: openai.OpenAI, stack: Stack) -> None:
+    messages = [{"role": "user", "content": "Count to three."}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)  # type: ignore[arg-type]
+    invoked = httpx.post(f"{stack.base_url}/invocations", timeout=120,
+                         json={"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0})
+    assert invoked.status_code == 200 and invoked.json()["object"] == "chat.completion"
+    assert invoked.json()["choices"][0]["message"]["content"] == chat.choices[0].message.content
+    completion = httpx.post(f"{stack.base_url}/invocations", timeout=120,
+                            json={"model": MODEL, "prompt": "One, two,", "max_tokens": 4, "temperature": 0})
+    assert completion.status_code == 200 and completion.json()["object"] == "text_completion"
+    neither = httpx.post(f"{stack.base_url}/invocations", timeout=30, json={"model": MODEL})
+    assert neither.status_code == 400 and neither.json()["error"]["param"] == "prompt", neither.text
+
+
+def test_ping_load_and_server_info(stack: Stack) -> None:
+    for method in ("GET", "POST"):
+        ping = httpx.request(method, f"{stack.base_url}/ping", timeout=30)
+        assert ping.status_code == 200 and ping.json() == {"status": "ok"}
+    assert httpx.get(f"{stack.base_url}/load", timeout=30).json() == {"server_load": 0}
+    # A stream the client leaves early is no longer counted once the gateway has seen it go (the count
+    # during a stream is tested in test_gateway_unit.py, with a stream the test controls).
+    with httpx.stream("POST", f"{stack.base_url}/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": "Once upon a time", "max_tokens": 300, "ignore_eos": True,
+            "stream": True}) as streaming:
+        first = next(streaming.iter_lines())
+        assert streaming.status_code == 200 and first.startswith("data: {"), first
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{stack.base_url}/load", timeout=30).json() != {"server_load": 0}:
+        assert time.monotonic() < deadline, "the stream the client left is still counted"
+        time.sleep(0.1)
+    info = httpx.get(f"{stack.base_url}/server_info", timeout=30).json()
+    assert info["routing"] == "cache_aware" and info["workers"]
+    assert all(w["ready"] and MODEL in w["models"] and w["max_model_len"] == 2048 for w in info["workers"])
