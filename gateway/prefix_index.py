@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 from taco_llm.protos.prefix_view import DIGEST_BYTES, MAX_CHUNKS_PER_PROMPT
 
@@ -34,6 +34,17 @@ DEFAULT_CAPACITY = 65_536
 # How long a prompt this gateway sent counts as held before the worker publishes it: far longer than a
 # prefill and a publication take, short enough that an eviction the worker published soon wins.
 RECENT_SECONDS = 10.0
+
+
+def leading_held(hashes: Sequence[bytes], held: Container[bytes]) -> int:
+    """How many of the leading hashes `held` has, up to the first it lacks: a chain matches only as far
+    as it is unbroken, as a prefix cache's lookup does."""
+    count = 0
+    for h in hashes:
+        if h not in held:
+            break
+        count += 1
+    return count
 
 
 def chunk_hashes(tenant: str, text: str, *, chunk_chars: int = CHUNK_CHARS,
@@ -64,12 +75,7 @@ class PrefixIndex:
 
     def match(self, hashes: Sequence[bytes]) -> int:
         """How many of the leading hashes the index holds, up to the first it does not."""
-        count = 0
-        for h in hashes:
-            if h not in self._hashes:
-                break
-            count += 1
-        return count
+        return leading_held(hashes, self._hashes)
 
     def insert(self, hashes: Sequence[bytes]) -> None:
         """Records a prompt's chain as sent, head marked most recent (see the module's invariant)."""
@@ -106,12 +112,7 @@ class RecentPrefixes:
     def match(self, hashes: Sequence[bytes], now: float) -> int:
         """How many of the leading hashes were sent within the horizon, up to the first that was not."""
         self._expire(now)
-        count = 0
-        for h in hashes:
-            if h not in self._sent:
-                break
-            count += 1
-        return count
+        return leading_held(hashes, self._sent)
 
     def _expire(self, now: float) -> None:
         while self._sent and (len(self._sent) > self.capacity

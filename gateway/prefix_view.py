@@ -34,6 +34,8 @@ from taco_llm.protos.prefix_view import (
     unpack_digests,
 )
 
+from .prefix_index import leading_held
+
 logger = logging.getLogger(__name__)
 
 # How long one read of the stream waits for news before asking again (and noticing a dead connection).
@@ -57,13 +59,7 @@ class SharedPrefixView:
 
     def match(self, worker_id: str, hashes: Sequence[bytes]) -> int:
         """How many of the leading hashes the worker's cache holds, up to the first it does not."""
-        held = self._held.get(worker_id, _NOTHING)
-        count = 0
-        for digest in hashes:
-            if digest not in held:
-                break
-            count += 1
-        return count
+        return leading_held(hashes, self._held.get(worker_id, _NOTHING))
 
     def held(self, worker_id: str) -> int:
         return len(self._held.get(worker_id, _NOTHING))
