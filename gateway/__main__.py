@@ -28,7 +28,14 @@ from uvicorn.main import STARTUP_FAILURE
 from taco_llm.grpc_security import SecurityConfigError, client_tls
 
 from .app import GatewaySettings, create_app
-from .args import add_gateway_args, add_request_limit_args, add_routing_args, add_tenant_args
+from .args import (
+    GATEWAY_FLAGS,
+    REQUEST_LIMIT_FLAGS,
+    RESPONSES_FLAGS,
+    ROUTING_FLAGS,
+    TENANT_FLAGS,
+    add_flag_group,
+)
 from .discovery import check_registry_url
 from .request_limits import RequestLimits
 from .tenants import ApiKeys, RateLimits, TenantConfigError
@@ -51,11 +58,12 @@ def parse(argv: Sequence[str] | None) -> GatewaySettings:
                              "(default: none)")
     parser.add_argument("--engine-tls-keyfile", default=None, metavar="PEM",
                         help="the unencrypted private key of --engine-tls-certfile (default: none)")
-    add_gateway_args(parser)
+    add_flag_group(parser, None, GATEWAY_FLAGS)
     parser.add_argument("--api-server-index", type=int, default=None, help=argparse.SUPPRESS)
-    add_routing_args(parser)
-    add_tenant_args(parser)
-    add_request_limit_args(parser)
+    add_flag_group(parser, "the fleet: discovery, routing, failover and the gateway's processes", ROUTING_FLAGS)
+    add_flag_group(parser, "tenants and rate limits", TENANT_FLAGS)
+    add_flag_group(parser, "request limits", REQUEST_LIMIT_FLAGS)
+    add_flag_group(parser, "stored responses (/v1/responses)", RESPONSES_FLAGS)
     args = parser.parse_args(argv)
     try:
         request_limits = RequestLimits(
@@ -81,6 +89,7 @@ def parse(argv: Sequence[str] | None) -> GatewaySettings:
     if not 0 < args.port < 65536:
         parser.error(f"--port {args.port} is not a TCP port")
     _check_routing_args(parser, args)
+    _check_responses_args(parser, args)
     try:
         tls = tls_options(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs)
         engine_tls = client_tls(args.engine_tls_ca, args.engine_tls_certfile, args.engine_tls_keyfile,
@@ -129,7 +138,22 @@ def parse(argv: Sequence[str] | None) -> GatewaySettings:
         stream_interval=args.stream_interval,
         shutdown_timeout=args.shutdown_timeout,
         request_limits=request_limits,
+        responses_store_url=args.responses_store_url or args.registry_url,
+        responses_ttl=args.responses_ttl,
+        responses_max_bytes=args.responses_max_bytes,
     )
+
+
+def _check_responses_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if not math.isfinite(args.responses_ttl) or args.responses_ttl <= 0:
+        parser.error(f"--responses-ttl {args.responses_ttl} is not a positive number of seconds")
+    if args.responses_max_bytes < 1:
+        parser.error(f"--responses-max-bytes {args.responses_max_bytes} is not a number of bytes (1 or more)")
+    if args.responses_store_url is not None:
+        try:
+            check_registry_url(args.responses_store_url, flag="--responses-store-url")
+        except ValueError as error:
+            parser.error(str(error))
 
 
 def _check_routing_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -17,7 +17,7 @@ from taco_llm.grpc_security import ClientTls
 from taco_llm.version import package_version
 
 from . import user_middleware
-from .args import DEFAULT_STREAM_STALL_TIMEOUT
+from .args import DEFAULT_RESPONSES_MAX_BYTES, DEFAULT_RESPONSES_TTL, DEFAULT_STREAM_STALL_TIMEOUT
 from .auth import ApiKeyMiddleware, route_path
 from .engine_pool import EnginePool
 from .errors import APIError, from_validation
@@ -25,6 +25,7 @@ from .from_engine import TokenText
 from .metrics import MetricsMiddleware
 from .rate_limits import RateLimiter
 from .request_limits import RequestLimits, RequestLimitsMiddleware
+from .response_store import MemoryResponseStore, RedisResponseStore, ResponseStore
 from .routes import Servings, api_router
 from .server_load import ServerLoad
 from .serving import EngineCalls, engine_metadata
@@ -32,6 +33,7 @@ from .serving_chat import ServingChat
 from .serving_completion import ServingCompletion
 from .serving_messages import ServingMessages
 from .serving_models import ServingModels
+from .serving_responses import ServingResponses
 from .serving_tokenization import ServingTokenization
 from .tenants import ApiKeys, RateLimits
 from .tls import TlsOptions
@@ -88,6 +90,11 @@ class GatewaySettings:
     api_server_index: int | None = None
     # --max-request-body-bytes, --max-header-bytes, --max-json-depth, --max-prompts-per-batch.
     request_limits: RequestLimits = field(default_factory=RequestLimits)
+    # Stored responses (/v1/responses): a Redis (--responses-store-url, else --registry-url's), or None
+    # for this process's memory; --responses-ttl, --responses-max-bytes.
+    responses_store_url: str | None = None
+    responses_ttl: float = DEFAULT_RESPONSES_TTL
+    responses_max_bytes: int = DEFAULT_RESPONSES_MAX_BYTES
 
     @property
     def scheme(self) -> str:
@@ -110,6 +117,16 @@ async def _unexpected(request: Request, error: Exception) -> JSONResponse:
     return APIError(500, "the server failed while handling this request").response(route_path(request.scope))
 
 
+def response_store(settings: GatewaySettings) -> ResponseStore:
+    if settings.responses_store_url is None:
+        if settings.api_server_count > 1:
+            logger.warning("stored responses live in each API server process's memory: give "
+                           "--responses-store-url (or --registry-url) for one store all of them read")
+        return MemoryResponseStore(ttl=settings.responses_ttl, max_bytes=settings.responses_max_bytes)
+    return RedisResponseStore(settings.responses_store_url, ttl=settings.responses_ttl,
+                              max_bytes=settings.responses_max_bytes)
+
+
 def create_app(settings: GatewaySettings, pool: EnginePool | None = None) -> FastAPI:
     metadata = engine_metadata(settings.engine_api_key)
     pool = pool or EnginePool(
@@ -120,18 +137,6 @@ def create_app(settings: GatewaySettings, pool: EnginePool | None = None) -> Fas
         shared_prefix_view=settings.shared_prefix_view,
     )
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await pool.start()
-        try:
-            yield
-        finally:
-            await pool.close()
-
-    app = FastAPI(title="taco-llm", version=package_version(), lifespan=lifespan, root_path=settings.root_path)
-    app.state.settings = settings
-    app.state.pool = pool
-
     engines = EngineCalls(pool, max_retries=settings.max_retries, retry_backoff=settings.retry_backoff,
                           max_migrations=settings.max_migrations,
                           stream_stall_timeout=settings.stream_stall_timeout)
@@ -140,10 +145,26 @@ def create_app(settings: GatewaySettings, pool: EnginePool | None = None) -> Fas
     chat = ServingChat(engines, response_role=settings.response_role, token_text=token_text,
                        stream_interval=settings.stream_interval,
                        max_conversations_per_batch=settings.request_limits.max_prompts_per_batch)
+    responses = ServingResponses(chat, response_store(settings), token_text)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await pool.start()
+        try:
+            yield
+        finally:
+            await responses.close()  # before the pool: its background responses are written `failed`
+            await pool.close()
+
+    app = FastAPI(title="taco-llm", version=package_version(), lifespan=lifespan, root_path=settings.root_path)
+    app.state.settings = settings
+    app.state.pool = pool
+
     tokenization = ServingTokenization(engines)
     app.include_router(api_router(Servings(
         chat=chat,
         messages=ServingMessages(chat, tokenization),
+        responses=responses,
         completion=ServingCompletion(engines, token_text=token_text, stream_interval=settings.stream_interval,
                                      max_prompts_per_batch=settings.request_limits.max_prompts_per_batch),
         models=ServingModels(pool, server_load),

@@ -145,23 +145,6 @@ ROUTING_FLAGS: list[tuple[str, dict[str, object]]] = [
 ]
 
 
-def add_gateway_args(parser: argparse.ArgumentParser) -> None:
-    for flag, kwargs in GATEWAY_FLAGS:
-        parser.add_argument(flag, **kwargs)  # type: ignore[arg-type]
-
-
-def add_tenant_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("tenants and rate limits")
-    for flag, kwargs in TENANT_FLAGS:
-        group.add_argument(flag, **kwargs)  # type: ignore[arg-type]
-
-
-def add_routing_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("the fleet: discovery, routing, failover and the gateway's processes")
-    for flag, kwargs in ROUTING_FLAGS:
-        group.add_argument(flag, **kwargs)  # type: ignore[arg-type]
-
-
 # The limits on one request's size and shape (gateway/request_limits.py); `taco_llm serve` hands the ones
 # given to the gateway.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
@@ -185,7 +168,27 @@ REQUEST_LIMIT_FLAGS: list[tuple[str, dict[str, object]]] = [
 ]
 
 
-def add_request_limit_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("request limits")
-    for flag, kwargs in REQUEST_LIMIT_FLAGS:
+# Stored responses (/v1/responses with `store`, gateway/response_store.py); `taco_llm serve` hands the
+# ones given to the gateway.
+DEFAULT_RESPONSES_TTL = 24 * 3600.0
+DEFAULT_RESPONSES_MAX_BYTES = 256 * 1024 * 1024
+RESPONSES_FLAGS: list[tuple[str, dict[str, object]]] = [
+    ("--responses-store-url", {"default": None, "metavar": "URL",
+                               "help": "Redis where stored responses (/v1/responses) are kept, read alike by "
+                                       "every gateway replica (default: --registry-url's Redis; without "
+                                       "either, this gateway process's memory)"}),
+    ("--responses-ttl", {"type": float, "default": DEFAULT_RESPONSES_TTL, "metavar": "SECONDS",
+                         "help": "a stored response is forgotten this long after it was last written "
+                                 "(default: 86400, a day)"}),
+    ("--responses-max-bytes", {"type": int, "default": DEFAULT_RESPONSES_MAX_BYTES, "metavar": "BYTES",
+                               "help": "all stored responses together take at most this much: the ones "
+                                       "nearest to expiring are evicted first (default: 268435456, 256 MiB)"}),
+]
+
+
+def add_flag_group(parser: argparse.ArgumentParser, title: str | None,
+                   flags: list[tuple[str, dict[str, object]]]) -> None:
+    """`flags` (GATEWAY_FLAGS, ROUTING_FLAGS, ...) on `parser`, under `title` in the help (None: ungrouped)."""
+    group = parser if title is None else parser.add_argument_group(title)
+    for flag, kwargs in flags:
         group.add_argument(flag, **kwargs)  # type: ignore[arg-type]

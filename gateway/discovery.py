@@ -34,23 +34,24 @@ class RegistryUnavailable(Exception):
     pass
 
 
-def check_registry_url(url: str) -> None:
-    """Raises ValueError saying what is wrong with a --registry-url, before anything connects."""
+def check_registry_url(url: str, *, flag: str = "--registry-url") -> None:
+    """Raises ValueError saying what is wrong with a Redis URL flag (--registry-url, ...), before anything
+    connects."""
     try:
         parts = urlsplit(url)
         port = parts.port  # raises ValueError for a port that is not a number or out of range
     except ValueError as error:
-        raise ValueError(f"--registry-url {url!r} is not a URL ({error})") from None
+        raise ValueError(f"{flag} {url!r} is not a URL ({error})") from None
     if parts.scheme not in _SCHEMES:
-        raise ValueError(f"--registry-url {url!r}: the scheme must be one of "
+        raise ValueError(f"{flag} {url!r}: the scheme must be one of "
                          f"{', '.join(s + '://' for s in _SCHEMES)}")
     if parts.scheme == "unix":
         if not parts.path:
-            raise ValueError(f"--registry-url {url!r} names no socket path")
+            raise ValueError(f"{flag} {url!r} names no socket path")
     elif not parts.hostname:
-        raise ValueError(f"--registry-url {url!r} names no host")
+        raise ValueError(f"{flag} {url!r} names no host")
     if port == 0:
-        raise ValueError(f"--registry-url {url!r}: port 0 is not a port to connect to")
+        raise ValueError(f"{flag} {url!r}: port 0 is not a port to connect to")
 
 
 class Registry:

@@ -49,11 +49,13 @@ from .protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from .responses_protocol import DeletedResponse, ResponseObject, ResponsesRequest, ResponseStreamEvent
 from .server_load import ServerLoad
 from .serving_chat import ServingChat
 from .serving_completion import ServingCompletion
 from .serving_messages import ServingMessages
 from .serving_models import ServingModels
+from .serving_responses import ServingResponses
 from .serving_tokenization import ServingTokenization
 
 # FastAPI's `responses=` entries, keyed by status (an int, or "4XX" for a range).
@@ -105,6 +107,7 @@ class Servings:
     completion: ServingCompletion
     messages: ServingMessages
     models: ServingModels
+    responses: ServingResponses
     tokenization: ServingTokenization
     # What /load counts: the generating routes' requests under way.
     server_load: ServerLoad
@@ -128,6 +131,37 @@ def api_router(servings: Servings, *, all_processes_metrics: bool = False) -> AP
     async def completions(body: CompletionRequest, request: Request) -> Any:
         body.cache_salt = isolated_cache_salt(request, body.cache_salt)
         return await servings.server_load.counted(servings.completion.create(body, request))
+
+    # OpenAI's Responses API: stored responses are the tenant's own (serving_responses.store_scope).
+    not_stored: Responses = {404: _error("No stored response of this id for this key's tenant (never "
+                                         "stored, expired or deleted); code `response_not_found`.")}
+
+    @router.post("/v1/responses", response_model=None, responses=_answers(
+        {200: {"model": ResponseObject,
+               "description": "The response (with `background: true`, queued: poll GET /v1/responses/{id}); "
+                              "with `stream: true`, its typed events (response.created, ..., "
+                              "response.completed).",
+               "content": {"text/event-stream": {"schema": ResponseStreamEvent.model_json_schema()}}}},
+        generate_answers))
+    async def create_response(body: ResponsesRequest, request: Request) -> Any:
+        return await servings.server_load.counted(servings.responses.create(
+            body, request, cache_salt=isolated_cache_salt(request, body.cache_salt)))
+
+    @router.get("/v1/responses/{response_id}", response_model=None, responses=_answers(
+        _ok(ResponseObject, "The stored response, at its present status."), not_stored, _REFUSALS))
+    async def retrieve_response(response_id: str, request: Request) -> dict[str, Any]:
+        return await servings.responses.retrieve(response_id, request)
+
+    @router.post("/v1/responses/{response_id}/cancel", response_model=None, responses=_answers(
+        _ok(ResponseObject, "The background response, cancelled; one already finished, as it is."),
+        not_stored, {400: _error("The response was not created with `background: true`.")}, _REFUSALS))
+    async def cancel_response(response_id: str, request: Request) -> dict[str, Any]:
+        return await servings.responses.cancel(response_id, request)
+
+    @router.delete("/v1/responses/{response_id}", response_model=None, responses=_answers(
+        _ok(DeletedResponse, "The response is deleted (one under way is stopped)."), not_stored, _REFUSALS))
+    async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+        return await servings.responses.delete(response_id, request)
 
     # Anthropic's Messages API: its answers and its errors take Anthropic's shape (errors.py).
     anthropic_refusals: Responses = {

@@ -59,10 +59,11 @@ class ServingChat:
         return await unless_disconnected(request, self._whole(context, stream))
 
     async def open(self, body: ChatCompletionRequest,
-                   request: Request) -> tuple[RequestContext, EngineStream] | JSONResponse:
+                   request: Request | None) -> tuple[RequestContext, EngineStream] | JSONResponse:
         """The request's engine stream, open on a worker (its first message read), and its context; the
-        answer to send instead where the client left first. Other front ends (the Messages API) shape
-        its output their own way."""
+        answer to send instead where the client left first. Other front ends (the Messages and Responses
+        APIs) shape its output their own way. `request` None: no client waits on it (a background
+        response), so nothing cancels it but its caller."""
         arrival = time.perf_counter()
         if body.echo:
             raise bad_request("echo is not supported for chat completions", "echo")
@@ -72,8 +73,9 @@ class ServingChat:
                              cache_salt=body.cache_salt or "")
         # The first message comes after the prefill, and the request may wait in the engine's queue before
         # it: a client that leaves meanwhile cancels it there, rather than having it prefilled for nobody.
-        stream = await unless_disconnected(request, self.engines.generate(
-            engine_request, to_engine.request_params(to_engine.CHAT_PARAMS, body), route_key, arrival=arrival))
+        opening = self.engines.generate(
+            engine_request, to_engine.request_params(to_engine.CHAT_PARAMS, body), route_key, arrival=arrival)
+        stream = await (opening if request is None else unless_disconnected(request, opening))
         if isinstance(stream, JSONResponse):
             return stream
         include_usage, continuous_usage = usage_options(body.stream_options)

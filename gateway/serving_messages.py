@@ -26,6 +26,7 @@ from pydantic import ValidationError
 
 from taco_llm.protos import engine_pb2
 
+from . import sse
 from .anthropic_protocol import (
     CountTokensRequest,
     ImageBlock,
@@ -184,10 +185,6 @@ def _tool_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"arguments": value}
 
 
-def _sse(event: dict[str, Any]) -> bytes:
-    return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n".encode()
-
-
 class ServingMessages:
     def __init__(self, chat: ServingChat, tokenization: ServingTokenization) -> None:
         self.chat = chat
@@ -237,23 +234,24 @@ class ServingMessages:
                 if not started:  # the worker's first message is `started`, with the prompt's tokens
                     started = True
                     prompt_tokens = len(message.started.prompt_token_ids) if phase == "started" else 0
-                    yield _sse({"type": "message_start", "message": {
+                    yield sse.typed_event({"type": "message_start", "message": {
                         "id": message_id, "type": "message", "role": "assistant", "model": context.model,
                         "content": [], "stop_reason": None, "stop_sequence": None,
                         "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}})
                 if phase == "delta":
                     for delta in message.delta.choices:
                         for event in blocks.add(delta):
-                            yield _sse(event)
+                            yield sse.typed_event(event)
                 elif phase == "finished":
                     for event in blocks.close():
-                        yield _sse(event)
+                        yield sse.typed_event(event)
                     reason, sequence = _stop(blocks.finish, blocks.stop, called_tools=bool(blocks.tool_blocks))
-                    yield _sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                "usage": {"output_tokens": message.finished.usage.completion_tokens}})
-                    yield _sse({"type": "message_stop"})
+                    yield sse.typed_event({
+                        "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                        "usage": {"output_tokens": message.finished.usage.completion_tokens}})
+                    yield sse.typed_event({"type": "message_stop"})
         except APIError as error:
-            yield _sse(error.anthropic_body())
+            yield sse.typed_event(error.anthropic_body())
         finally:
             stream.close()
 

@@ -31,6 +31,11 @@ def event(payload: dict[str, Any]) -> bytes:
     return b"data: " + dumps(payload).encode() + b"\n\n"
 
 
+def typed_event(payload: dict[str, Any]) -> bytes:
+    """An event named by its payload's `type` (`event: TYPE`), as the Responses and Messages APIs stream."""
+    return f"event: {payload['type']}\ndata: {dumps(payload)}\n\n".encode()
+
+
 def error_event(error: APIError) -> bytes:
     """A failure after the response head went out can only be told in the stream itself."""
     return event(error.body())

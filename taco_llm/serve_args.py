@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from taco_llm.gateway.args import REQUEST_LIMIT_FLAGS, ROUTING_FLAGS, TENANT_FLAGS
+from taco_llm.gateway.args import REQUEST_LIMIT_FLAGS, RESPONSES_FLAGS, ROUTING_FLAGS, TENANT_FLAGS
 from taco_llm.gateway.tenants import TenantConfigError, serve_keys
 from taco_llm.grpc_security import serve_refusals
 
@@ -173,6 +173,9 @@ def _parser_and_flags() -> tuple[argparse.ArgumentParser, frozenset[str]]:
     limits = parser.add_argument_group("request limits (handed to the gateway)")
     for name, kwargs in REQUEST_LIMIT_FLAGS:
         actions.append(limits.add_argument(name, **{**kwargs, "default": argparse.SUPPRESS}))  # type: ignore[arg-type]
+    stored = parser.add_argument_group("stored responses, /v1/responses (handed to the gateway)")
+    for name, kwargs in RESPONSES_FLAGS:
+        actions.append(stored.add_argument(name, **{**kwargs, "default": argparse.SUPPRESS}))  # type: ignore[arg-type]
     tenants = parser.add_argument_group("tenants and rate limits (handed to the gateway; docs/security.md)")
     for name, kwargs in TENANT_FLAGS:
         actions.append(tenants.add_argument(name, **{**kwargs, "default": argparse.SUPPRESS}))  # type: ignore[arg-type]
@@ -345,7 +348,7 @@ def parse(argv: Sequence[str]) -> ServeArgs:
             cache_service_argv += ["--api-key", api_key]
             worker_argv += ["--cache-service-api-key", api_key]
     gateway_argv += _fleet_argv(namespace, given, worker_argv)
-    for name, _ in REQUEST_LIMIT_FLAGS:
+    for name, _ in [*REQUEST_LIMIT_FLAGS, *RESPONSES_FLAGS]:
         if hasattr(namespace, dest := name[2:].replace("-", "_")):
             gateway_argv += [name, str(getattr(namespace, dest))]
     for name, _ in TENANT_FLAGS:

@@ -232,6 +232,52 @@ def test_a_second_gateway_routes_on_what_the_workers_publish(fleet: Fleet, fleet
         second.stop()
 
 
+def test_stored_responses_are_one_store_for_every_gateway(fleet: Fleet, fleet_client: openai.OpenAI,
+                                                          log_dir: Path) -> None:
+    # The Responses API behind two gateway replicas on the registry's Redis: whichever replica takes a
+    # call finds what the other stored, chains on it, polls a background response the other runs, and
+    # cancels it there.
+    port = free_port()
+    second_url = f"http://127.0.0.1:{port}"
+    second = start("fleet-gateway-responses", ["gateway", "--port", str(port), "--registry-url", fleet.redis.url],
+                   log_dir)
+    try:
+        wait_until(second, lambda: http_status(f"{second_url}/health") == 200)
+        first, other = fleet_client, openai.OpenAI(base_url=f"{second_url}/v1", api_key="unused", max_retries=0,
+                                                   timeout=300)
+        asked = first.responses.create(model="SmolLM2-135M-Instruct", input="My name is Ada. Say hello to me.",
+                                       max_output_tokens=8, temperature=0)
+        assert other.responses.retrieve(asked.id).output_text == asked.output_text
+        chained = other.responses.create(model="SmolLM2-135M-Instruct", previous_response_id=asked.id,
+                                         input="What is my name?", max_output_tokens=8, temperature=0)
+        assert chained.usage is not None and asked.usage is not None
+        assert chained.usage.input_tokens > asked.usage.input_tokens + asked.usage.output_tokens
+
+        queued = other.responses.create(model="SmolLM2-135M-Instruct", input="Count to five.",
+                                        max_output_tokens=8, temperature=0, background=True)
+        assert queued.status in ("queued", "in_progress")
+        deadline = time.monotonic() + 120
+        while (polled := first.responses.retrieve(queued.id)).status in ("queued", "in_progress"):
+            assert time.monotonic() < deadline, f"background response still {polled.status}"
+            time.sleep(0.2)
+        assert polled.status in ("completed", "incomplete") and polled.output_text
+
+        # A long one, run by the second gateway, cancelled through the first: its engine request stops.
+        long = other.responses.create(model="SmolLM2-135M-Instruct", input="Write a long story.",
+                                      max_output_tokens=1500, temperature=0, background=True,
+                                      extra_body={"ignore_eos": True})
+        wait_until(second, lambda: first.responses.retrieve(long.id).status == "in_progress", timeout=120)
+        assert first.responses.cancel(long.id).status == "cancelled"
+        wait_until(second, lambda: sum(fleet.active_streams(i) for i in range(NUM_WORKERS)) == 0, timeout=10)
+        assert other.responses.retrieve(long.id).status == "cancelled"
+
+        other.responses.delete(asked.id)
+        with pytest.raises(openai.NotFoundError):
+            first.responses.retrieve(asked.id)
+    finally:
+        second.stop()
+
+
 def test_skewed_load_spills_to_the_idle_worker(fleet: Fleet) -> None:
     prompt = f"{_document(40)}\n\nQ: Continue the list.\nA:"
     spill_reasons = ("balance", "shared_cache", "least_load")

@@ -27,10 +27,10 @@ from .support import Stack
 # CPU engine, where every generated token costs time. Capping the fields that multiply generation keeps
 # 1,000 requests within the CI budget; every other field (and these, at or below the cap, negative,
 # or of the wrong type) is generated freely.
-GENERATION_CAPS = {"max_tokens": 4, "max_completion_tokens": 4, "n": 2, "best_of": 2}
+GENERATION_CAPS = {"max_tokens": 4, "max_completion_tokens": 4, "max_output_tokens": 4, "n": 2, "best_of": 2}
 # Where a chat leaves max_tokens out it generates to the end of the context: give it the cap.
 GENERATION_ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/chat/completions/batch", "/invocations",
-                     "/v1/messages"}
+                     "/v1/messages", "/v1/responses"}
 EXAMPLES = 1000
 # The checks a schema-driven fuzz can honestly hold this server to; left out: negative_data_rejection
 # and positive_data_acceptance (the gateway accepts unknown fields, as OpenAI's does, and refuses
@@ -48,7 +48,10 @@ def capped(case: Case) -> Case:
             # bool is an int to Python, and true is a wrong type worth sending as it is.
             if isinstance(value, int | float) and not isinstance(value, bool) and value > cap:
                 body[name] = cap
-        if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        if case.operation.path == "/v1/responses":
+            if body.get("max_output_tokens") is None:
+                body["max_output_tokens"] = GENERATION_CAPS["max_output_tokens"]
+        elif body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
             body["max_tokens"] = GENERATION_CAPS["max_tokens"]
     return case
 

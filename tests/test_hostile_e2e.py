@@ -81,7 +81,13 @@ class Hostile:
                          headers={"content-type": "application/json", **self.headers})
 
 
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+CHAT, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
+
+
+def _response(**extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "input": "hi", "max_output_tokens": 4, **extra}
+
+
 CASES = [
     Hostile("absurd_n", CHAT, 400, "n", lambda: _json(_chat(n=100_000))),
     Hostile("n_beyond_uint32", CHAT, 400, "n", lambda: _json(_chat(n=2**40))),
@@ -129,6 +135,16 @@ CASES = [
     Hostile("deep_nesting", CHAT, 400, None, lambda: b"[" * 100_000 + b"]" * 100_000),
     Hostile("deep_nesting_in_a_field", CHAT, 400, "tools",
             lambda: _json(_chat()).replace(b'"max_tokens"', b'"tools": ' + b"[" * 70 + b"]" * 70 + b', "max_tokens"')),
+    Hostile("responses_max_output_tokens_past_context", RESPONSES, 400, "max_output_tokens",
+            lambda: _json(_response(max_output_tokens=10**6))),
+    Hostile("responses_unknown_item", RESPONSES, 400, "input[1].type",
+            lambda: _json(_response(input=[{"role": "user", "content": "hi"}, {"type": "computer_call"}]))),
+    Hostile("responses_hosted_tool", RESPONSES, 400, "tools[0].type",
+            lambda: _json(_response(tools=[{"type": "file_search", "vector_store_ids": ["vs_1"]}]))),
+    Hostile("responses_lone_surrogate", RESPONSES, 400, "input",
+            lambda: b'{"model": "' + MODEL.encode() + b'", "input": "a\\ud800b", "max_output_tokens": 4}'),
+    Hostile("responses_deep_nesting_in_input", RESPONSES, 400, "input",
+            lambda: _json(_response()).replace(b'"input": "hi"', b'"input": ' + b"[" * 70 + b"]" * 70)),
     Hostile("huge_headers", CHAT, 431, None, lambda: _json(_chat()), headers={"x-filler": "a" * (128 * 1024)}),
     Hostile("body_40_mb", COMPLETIONS, 413, None, lambda: b'{"prompt": "' + b"x" * (40 * MiB) + b'"}'),
     Hostile("body_40_mb_chunked", COMPLETIONS, 413, None, _forty_megabytes),

@@ -21,8 +21,8 @@ ANTHROPIC_ROUTES = {"/v1/messages", "/v1/messages/count_tokens"}
 ANTHROPIC_ERROR_REF = "#/components/schemas/AnthropicErrorResponse"
 # Routes that take a body, and those whose request may ask for a stream.
 BODY_ROUTES = {"/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize", "/v1/chat/completions/batch",
-               "/invocations", *ANTHROPIC_ROUTES}
-STREAM_ROUTES = {"/v1/chat/completions", "/v1/completions", "/invocations", "/v1/messages"}
+               "/invocations", "/v1/responses", *ANTHROPIC_ROUTES}
+STREAM_ROUTES = {"/v1/chat/completions", "/v1/completions", "/invocations", "/v1/messages", "/v1/responses"}
 
 
 @pytest.fixture(scope="module")

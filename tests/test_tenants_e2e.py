@@ -109,6 +109,24 @@ def test_chat_is_salted_too(tenants_stack: Stack) -> None:
     assert chat(BOB_KEY) == 0
 
 
+def test_a_stored_response_is_its_tenants_alone(tenants_stack: Stack) -> None:
+    # Knowing a response's id is not enough: another tenant, or the plain key's default tenant, finds
+    # nothing under it, and cannot continue its conversation either.
+    alice, bob, plain = (client(tenants_stack, key) for key in (ALICE_KEY, BOB_KEY, PLAIN_KEY))
+    stored = alice.responses.create(model=MODEL, input="A secret for Alice.", max_output_tokens=2, temperature=0)
+    assert alice.responses.retrieve(stored.id).id == stored.id
+    for other in (bob, plain):
+        with pytest.raises(openai.NotFoundError):
+            other.responses.retrieve(stored.id)
+        with pytest.raises(openai.NotFoundError):
+            other.responses.delete(stored.id)
+        with pytest.raises(openai.BadRequestError) as refused:
+            other.responses.create(model=MODEL, input="Go on.", previous_response_id=stored.id, max_output_tokens=2)
+        assert refused.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    assert alice.responses.create(model=MODEL, input="Go on.", previous_response_id=stored.id,
+                                  max_output_tokens=2).previous_response_id == stored.id
+
+
 def test_unknown_key_is_refused_and_tenant_keys_do_not_reach_the_worker(tenants_stack: Stack) -> None:
     with pytest.raises(openai.AuthenticationError) as excinfo:
         client(tenants_stack, "sk-nobody").models.list()
