@@ -1,10 +1,13 @@
 """taco-llm's stack against vLLM's own OpenAI server: same model, same flags, same workload, one run.
 
-    python bench/serve_vs_vllm.py [--requests 24] [--max-tokens 128] [--out bench/results/serve_vs_vllm.json]
+    python bench/serve_vs_vllm.py [--requests 24] [--max-tokens 128] [--apis chat responses messages]
+                                  [--out bench/results/serve_vs_vllm.json]
 
-Each server is started, warmed up, driven with streaming chat at concurrency 1 and 8, and stopped,
-one after the other. Written: output tok/s, TTFT p50/p99 and inter-token latency p50 for each, and
-our/vLLM ratios. A script, not a test: these machines are shared and noisy.
+Each server is started, warmed up, driven with streaming requests of each API (chat completions,
+OpenAI's Responses API through the openai SDK, Anthropic's Messages API through Anthropic's SDK) at
+concurrency 1 and 8, and stopped, one after the other. Written: output tok/s, TTFT p50/p99 and
+inter-token latency p50 for each, and our/vLLM ratios. A script, not a test: these machines are shared
+and noisy.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import openai
 from servers import free_port, stop, wait_healthy, write_report
 
@@ -33,39 +37,80 @@ QUESTIONS = [
 ]
 
 
-async def _one(client: openai.AsyncOpenAI, question: str, max_tokens: int) -> dict[str, Any]:
+class Clients:
+    """One streaming request of each API, timed the same way: when each piece of text arrives, and the
+    output tokens its usage reports."""
+
+    def __init__(self, url: str) -> None:
+        self.openai = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="bench", max_retries=0, timeout=600)
+        self.anthropic = anthropic.AsyncAnthropic(base_url=url, api_key="bench", max_retries=0, timeout=600)
+
+    async def chat(self, question: str, max_tokens: int, arrivals: list[float]) -> int:
+        tokens = 0
+        stream = await self.openai.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": question}], max_tokens=max_tokens,
+            temperature=0, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                arrivals.append(time.perf_counter())
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        return tokens
+
+    async def responses(self, question: str, max_tokens: int, arrivals: list[float]) -> int:
+        tokens = 0
+        stream = await self.openai.responses.create(
+            model=MODEL_NAME, input=question, max_output_tokens=max_tokens, temperature=0, stream=True,
+            extra_body={"ignore_eos": True})
+        async for event in stream:
+            if event.type == "response.output_text.delta" and event.delta:
+                arrivals.append(time.perf_counter())
+            elif event.type in ("response.completed", "response.incomplete") and event.response.usage:
+                tokens = event.response.usage.output_tokens
+        return tokens
+
+    async def messages(self, question: str, max_tokens: int, arrivals: list[float]) -> int:
+        tokens = 0
+        stream = await self.anthropic.messages.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": question}], max_tokens=max_tokens,
+            stream=True, extra_body={"temperature": 0, "ignore_eos": True})
+        async for event in stream:
+            if event.type == "content_block_delta" and getattr(event.delta, "text", ""):
+                arrivals.append(time.perf_counter())
+            elif event.type == "message_delta":
+                tokens = event.usage.output_tokens
+        return tokens
+
+    async def close(self) -> None:
+        await self.openai.close()
+        await self.anthropic.close()
+
+
+async def _one(clients: Clients, api: str, question: str, max_tokens: int) -> dict[str, Any]:
     start = time.perf_counter()
     arrivals: list[float] = []
-    tokens = 0
-    stream = await client.chat.completions.create(
-        model=MODEL_NAME, messages=[{"role": "user", "content": question}], max_tokens=max_tokens,
-        temperature=0, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-    )
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            arrivals.append(time.perf_counter())
-        if chunk.usage is not None:
-            tokens = chunk.usage.completion_tokens
+    tokens = await getattr(clients, api)(question, max_tokens, arrivals)
     gaps = [b - a for a, b in itertools.pairwise(arrivals)]
     return {"ttft": arrivals[0] - start if arrivals else float("nan"), "gaps": gaps, "tokens": tokens}
 
 
-async def _drive(url: str, concurrency: int, requests: int, max_tokens: int) -> dict[str, float]:
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="bench", max_retries=0, timeout=600)
+async def _drive(url: str, api: str, concurrency: int, requests: int, max_tokens: int) -> dict[str, float]:
+    clients = Clients(url)
     queue = [QUESTIONS[i % len(QUESTIONS)] for i in range(requests)]
     results: list[dict[str, Any]] = []
 
     async def worker() -> None:
         while queue:
-            results.append(await _one(client, queue.pop(), max_tokens))
+            results.append(await _one(clients, api, queue.pop(), max_tokens))
 
-    await asyncio.gather(*(_one(client, q, 16) for q in QUESTIONS[:2]))  # warm-up
+    await asyncio.gather(*(_one(clients, api, q, 16) for q in QUESTIONS[:2]))  # warm-up
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall = time.perf_counter() - start
     ttfts = sorted(r["ttft"] for r in results)
     gaps = sorted(g for r in results for g in r["gaps"])
-    await client.close()
+    await clients.close()
     return {
         "requests": len(results),
         "output_tokens": sum(r["tokens"] for r in results),
@@ -74,6 +119,10 @@ async def _drive(url: str, concurrency: int, requests: int, max_tokens: int) -> 
         "ttft_p99_ms": 1000 * ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))],
         "itl_p50_ms": 1000 * statistics.median(gaps) if gaps else float("nan"),
     }
+
+
+# Each API's rows are keyed `API/cN`: chat completions, the Responses API, Anthropic's Messages API.
+APIS = ("chat", "responses", "messages")
 
 
 def _model_dir() -> str:
@@ -88,6 +137,8 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=24, help="requests per concurrency level")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--apis", nargs="+", choices=list(APIS), default=list(APIS),
+                        help="which APIs to drive, each streamed (default: all)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "serve_vs_vllm.json")
     args = parser.parse_args()
@@ -114,7 +165,8 @@ def main() -> int:
             url = f"http://127.0.0.1:{port}"
             wait_healthy(f"{url}/health", [process])
             report["results"][name] = {
-                f"c{c}": asyncio.run(_drive(url, c, args.requests, args.max_tokens)) for c in args.concurrency
+                f"{api}/c{c}": asyncio.run(_drive(url, api, c, args.requests, args.max_tokens))
+                for api in args.apis for c in args.concurrency
             }
             print(name, json.dumps(report["results"][name], indent=1), flush=True)
         finally:
@@ -124,6 +176,7 @@ def main() -> int:
     report["ratios"] = {
         level: {
             "throughput_ratio": ours[level]["output_tok_per_s"] / theirs[level]["output_tok_per_s"],
+            "ttft_p50_ratio": ours[level]["ttft_p50_ms"] / theirs[level]["ttft_p50_ms"],
             "ttft_p50_delta_ms": ours[level]["ttft_p50_ms"] - theirs[level]["ttft_p50_ms"],
             "itl_p50_delta_ms": ours[level]["itl_p50_ms"] - theirs[level]["itl_p50_ms"],
         }
