@@ -21,6 +21,7 @@ from .args import DEFAULT_RESPONSES_MAX_BYTES, DEFAULT_RESPONSES_TTL, DEFAULT_ST
 from .auth import ApiKeyMiddleware, route_path
 from .engine_pool import EnginePool
 from .errors import APIError, from_validation
+from .fleet_adapters import FleetAdapters, MemoryAdapterBook, RedisAdapterBook
 from .from_engine import TokenText
 from .metrics import MetricsMiddleware
 from .rate_limits import RateLimiter
@@ -146,14 +147,19 @@ def create_app(settings: GatewaySettings, pool: EnginePool | None = None) -> Fas
                        stream_interval=settings.stream_interval,
                        max_conversations_per_batch=settings.request_limits.max_prompts_per_batch)
     responses = ServingResponses(chat, response_store(settings), token_text)
+    # The fleet's runtime LoRA adapters: in the registry's Redis, where every gateway replica reads them.
+    adapters = FleetAdapters(pool, RedisAdapterBook(settings.registry_url) if settings.registry_url
+                             else MemoryAdapterBook())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await pool.start()
+        await adapters.start()
         try:
             yield
         finally:
             await responses.close()  # before the pool: its background responses are written `failed`
+            await adapters.close()
             await pool.close()
 
     app = FastAPI(title="taco-llm", version=package_version(), lifespan=lifespan, root_path=settings.root_path)
@@ -163,6 +169,7 @@ def create_app(settings: GatewaySettings, pool: EnginePool | None = None) -> Fas
     tokenization = ServingTokenization(engines)
     app.include_router(api_router(Servings(
         chat=chat,
+        adapters=adapters,
         messages=ServingMessages(chat, tokenization),
         responses=responses,
         completion=ServingCompletion(engines, token_text=token_text, stream_interval=settings.stream_interval,

@@ -253,6 +253,12 @@ class EngineClient:
             self.last_error = ""
         self.ready = serving
 
+    async def read_info(self, deadline: float) -> None:
+        """Its ModelInfo again, where what it serves changed while it stayed ready (a LoRA adapter loaded
+        or unloaded at runtime)."""
+        self.info = await self.stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=deadline,
+                                                 metadata=self.metadata)
+
     def why_not_ready(self) -> str:
         return self.last_error or "starting"
 

@@ -174,6 +174,22 @@ class DetokenizeRequest(_Lenient):
     tokens: list[int]
 
 
+class LoadLoraAdapterRequest(_Lenient):
+    """vLLM's /v1/load_lora_adapter body; the adapter's folder as the workers' filesystems see it."""
+
+    lora_name: str
+    lora_path: str
+    load_inplace: bool | None = False
+    # taco-llm's: the base model the adapter adapts, where the fleet serves several.
+    base_model_name: str | None = None
+
+
+class UnloadLoraAdapterRequest(_Lenient):
+    lora_name: str
+    # vLLM's; each worker numbers its adapters itself, so the name alone is used.
+    lora_int_id: int | None = None
+
+
 # ---- What the routes answer, for /openapi.json only: the handlers build plain dicts, and these models
 # document them (FastAPI's `responses=`), so that a client generator, or the schemathesis fuzz in
 # tests/test_fuzz_gateway.py, can check every answer against them. Fields some answers leave out (an

@@ -27,6 +27,7 @@ from .anthropic_protocol import (
     MessagesStreamEvent,
 )
 from .auth import isolated_cache_salt
+from .fleet_adapters import FleetAdapters
 from .metrics import REGISTRY, all_processes_registry
 from .protocol import (
     BatchChatCompletionRequest,
@@ -40,6 +41,7 @@ from .protocol import (
     HealthStatus,
     InvocationRequest,
     InvocationResponse,
+    LoadLoraAdapterRequest,
     LoadResponse,
     MetricsTargetGroup,
     ModelList,
@@ -47,6 +49,7 @@ from .protocol import (
     StreamEvent,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoraAdapterRequest,
     VersionResponse,
 )
 from .responses_protocol import DeletedResponse, ResponseObject, ResponsesRequest, ResponseStreamEvent
@@ -105,6 +108,8 @@ class Servings:
 
     chat: ServingChat
     completion: ServingCompletion
+    # LoRA adapters loaded at runtime across the fleet.
+    adapters: FleetAdapters
     messages: ServingMessages
     models: ServingModels
     responses: ServingResponses
@@ -260,6 +265,26 @@ def api_router(servings: Servings, *, all_processes_metrics: bool = False) -> AP
     })
     async def metrics_targets() -> list[dict[str, Any]]:
         return servings.models.metrics_targets()
+
+    # vLLM's runtime LoRA routes, answered as vLLM's are (a line of text); on every worker of the base model.
+    def _text_answers(description: str, refusals: Responses) -> Responses:
+        return {200: {"description": description, "content": {"text/plain": {"schema": {"type": "string"}}}},
+                **{status: {"description": entry["description"],
+                            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+                   for status, entry in refusals.items()}}
+
+    @router.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=_text_answers(
+        "The adapter is loaded on every ready worker of its base model, and given to workers that join.",
+        _answers(_REFUSALS, _BODY_REFUSALS, _UNAVAILABLE)))
+    async def load_lora_adapter(body: LoadLoraAdapterRequest) -> Response:
+        return PlainTextResponse(await servings.adapters.load(
+            body.lora_name, body.lora_path, base_model_name=body.base_model_name, inplace=bool(body.load_inplace)))
+
+    @router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=_text_answers(
+        "The adapter is unloaded from every worker that holds it.",
+        _answers(_REFUSALS, _BODY_REFUSALS, _UNAVAILABLE)))
+    async def unload_lora_adapter(body: UnloadLoraAdapterRequest) -> Response:
+        return PlainTextResponse(await servings.adapters.unload(body.lora_name))
 
     # PlainTextResponse documents the 200 as text; the refusals stay JSON, by their schema's reference
     # (a `model` entry would take the route's text media type).

@@ -25,6 +25,32 @@ FINISH_REASON_TOOL_CALLS: FinishReason
 FINISH_REASON_ERROR: FinishReason
 FINISH_REASON_REPETITION: FinishReason
 
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path", "load_inplace")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    LOAD_INPLACE_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    load_inplace: bool
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., load_inplace: _Optional[bool] = ...) -> None: ...
+
+class LoadLoraAdapterResponse(_message.Message):
+    __slots__ = ("loaded",)
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    loaded: bool
+    def __init__(self, loaded: _Optional[bool] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
     IDS_FIELD_NUMBER: _ClassVar[int]
@@ -359,14 +385,16 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoraAdapter(_message.Message):
-    __slots__ = ("name", "path", "base_model_name")
+    __slots__ = ("name", "path", "base_model_name", "loaded_at_runtime")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    LOADED_AT_RUNTIME_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     base_model_name: str
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., base_model_name: _Optional[str] = ...) -> None: ...
+    loaded_at_runtime: bool
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., base_model_name: _Optional[str] = ..., loaded_at_runtime: _Optional[bool] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("served_model_names", "model_path", "tokenizer", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "dtype", "has_chat_template", "max_logprobs", "engine_version", "worker_version", "created", "lora_adapters", "tool_call_parser", "prefix_cache_service", "metrics_port")

@@ -64,6 +64,16 @@ class EngineStub:
                 request_serializer=protos_dot_engine__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=protos_dot_engine__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/taco_llm.engine.v1.Engine/LoadLoraAdapter',
+                request_serializer=protos_dot_engine__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_engine__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/taco_llm.engine.v1.Engine/UnloadLoraAdapter',
+                request_serializer=protos_dot_engine__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_engine__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -116,6 +126,26 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Loads a LoRA adapter under a model name of its own, as vLLM's /v1/load_lora_adapter. Loading the
+        same name from the same path again succeeds and changes nothing.
+        Codes: FAILED_PRECONDITION (RUNTIME_LORA_OFF: the worker runs without --enable-lora, or without
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING), INVALID_ARGUMENT (FIELD_REQUIRED, or LORA_LOAD_FAILED, field
+        `lora_path`), ALREADY_EXISTS (field `lora_name`: a base model's name, or an adapter from another
+        path without `load_inplace`), UNAUTHENTICATED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Unloads a LoRA adapter, whether loaded at start-up (--lora-modules) or at runtime.
+        Codes: FAILED_PRECONDITION (RUNTIME_LORA_OFF), NOT_FOUND (field `lora_name`), UNAUTHENTICATED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -148,6 +178,16 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=protos_dot_engine__pb2.DetokenizeRequest.FromString,
                     response_serializer=protos_dot_engine__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=protos_dot_engine__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_engine__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=protos_dot_engine__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=protos_dot_engine__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -312,6 +352,60 @@ class Engine:
             '/taco_llm.engine.v1.Engine/Detokenize',
             protos_dot_engine__pb2.DetokenizeRequest.SerializeToString,
             protos_dot_engine__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/taco_llm.engine.v1.Engine/LoadLoraAdapter',
+            protos_dot_engine__pb2.LoadLoraAdapterRequest.SerializeToString,
+            protos_dot_engine__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/taco_llm.engine.v1.Engine/UnloadLoraAdapter',
+            protos_dot_engine__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            protos_dot_engine__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/errors.proto\x12\x12taco_llm.errors.v1*\xfe\x03\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12\x11\n\rFIELD_INVALID\x10\x01\x12\x12\n\x0e\x46IELD_REQUIRED\x10\x02\x12\x13\n\x0f\x41PI_KEY_INVALID\x10\x03\x12\x13\n\x0fMODEL_NOT_FOUND\x10\n\x12\x13\n\x0fPROMPT_TOO_LONG\x10\x0b\x12\x15\n\x11REQUEST_ID_IN_USE\x10\x0c\x12\x1b\n\x17TOKEN_OUT_OF_VOCABULARY\x10\r\x12\x14\n\x10LORA_LOAD_FAILED\x10\x0e\x12\x1d\n\x19\x43HAT_TEMPLATE_NOT_TRUSTED\x10\x0f\x12\x1b\n\x17TOOL_CHOICE_UNSUPPORTED\x10\x10\x12#\n\x1fSTRUCTURED_OUTPUT_BACKEND_FIXED\x10\x11\x12\x0f\n\x0b\x45NGINE_DEAD\x10\x12\x12\x13\n\x0fWORKER_DRAINING\x10\x13\x12\x14\n\x10WINDOW_NOT_FOUND\x10\x1e\x12\x16\n\x12WINDOW_UNREACHABLE\x10\x1f\x12\x14\n\x10WINDOW_IO_FAILED\x10 \x12\x13\n\x0f\x42LOCK_NOT_FOUND\x10!\x12\x15\n\x11\x43HECKSUM_MISMATCH\x10\"\x12\x13\n\x0f\x42LOCK_TOO_LARGE\x10#\x12\x15\n\x11INDEX_UNAVAILABLE\x10(b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/errors.proto\x12\x12taco_llm.errors.v1*\x94\x04\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12\x11\n\rFIELD_INVALID\x10\x01\x12\x12\n\x0e\x46IELD_REQUIRED\x10\x02\x12\x13\n\x0f\x41PI_KEY_INVALID\x10\x03\x12\x13\n\x0fMODEL_NOT_FOUND\x10\n\x12\x13\n\x0fPROMPT_TOO_LONG\x10\x0b\x12\x15\n\x11REQUEST_ID_IN_USE\x10\x0c\x12\x1b\n\x17TOKEN_OUT_OF_VOCABULARY\x10\r\x12\x14\n\x10LORA_LOAD_FAILED\x10\x0e\x12\x1d\n\x19\x43HAT_TEMPLATE_NOT_TRUSTED\x10\x0f\x12\x1b\n\x17TOOL_CHOICE_UNSUPPORTED\x10\x10\x12#\n\x1fSTRUCTURED_OUTPUT_BACKEND_FIXED\x10\x11\x12\x14\n\x10RUNTIME_LORA_OFF\x10\x14\x12\x0f\n\x0b\x45NGINE_DEAD\x10\x12\x12\x13\n\x0fWORKER_DRAINING\x10\x13\x12\x14\n\x10WINDOW_NOT_FOUND\x10\x1e\x12\x16\n\x12WINDOW_UNREACHABLE\x10\x1f\x12\x14\n\x10WINDOW_IO_FAILED\x10 \x12\x13\n\x0f\x42LOCK_NOT_FOUND\x10!\x12\x15\n\x11\x43HECKSUM_MISMATCH\x10\"\x12\x13\n\x0f\x42LOCK_TOO_LARGE\x10#\x12\x15\n\x11INDEX_UNAVAILABLE\x10(b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,5 +32,5 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'taco_llm.protos.errors_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ERRORREASON']._serialized_start=44
-  _globals['_ERRORREASON']._serialized_end=554
+  _globals['_ERRORREASON']._serialized_end=576
 # @@protoc_insertion_point(module_scope)

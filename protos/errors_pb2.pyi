@@ -18,6 +18,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CHAT_TEMPLATE_NOT_TRUSTED: _ClassVar[ErrorReason]
     TOOL_CHOICE_UNSUPPORTED: _ClassVar[ErrorReason]
     STRUCTURED_OUTPUT_BACKEND_FIXED: _ClassVar[ErrorReason]
+    RUNTIME_LORA_OFF: _ClassVar[ErrorReason]
     ENGINE_DEAD: _ClassVar[ErrorReason]
     WORKER_DRAINING: _ClassVar[ErrorReason]
     WINDOW_NOT_FOUND: _ClassVar[ErrorReason]
@@ -39,6 +40,7 @@ LORA_LOAD_FAILED: ErrorReason
 CHAT_TEMPLATE_NOT_TRUSTED: ErrorReason
 TOOL_CHOICE_UNSUPPORTED: ErrorReason
 STRUCTURED_OUTPUT_BACKEND_FIXED: ErrorReason
+RUNTIME_LORA_OFF: ErrorReason
 ENGINE_DEAD: ErrorReason
 WORKER_DRAINING: ErrorReason
 WINDOW_NOT_FOUND: ErrorReason

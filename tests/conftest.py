@@ -11,7 +11,7 @@ import pytest
 
 from taco_llm.protos import engine_pb2_grpc
 
-from .support import Stack, start_stack
+from .support import RedisServer, Stack, free_port, start_stack
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -117,3 +117,13 @@ def frontend_stack(model_dir: Path, log_dir: Path, tmp_path_factory: pytest.Temp
 @pytest.fixture(scope="session")
 def frontend_client(frontend_stack: Stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{frontend_stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A redis-server of the module's own, on a free port, without persistence (a module that restarts
+    its Redis and wants the data back defines its own)."""
+    server = RedisServer(free_port(), tmp_path_factory.mktemp("redis"), persist=False)
+    server.start()
+    yield server
+    server.stop()

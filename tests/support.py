@@ -82,12 +82,13 @@ class Process:
         return self.popen.returncode
 
 
-def start(name: str, args: list[str], log_dir: Path) -> Process:
+def start(name: str, args: list[str], log_dir: Path, *, env: dict[str, str] | None = None) -> Process:
+    """`taco_llm ARGS` in the background, logging to LOG_DIR/NAME.log; `env`: variables added to ours."""
     log = log_dir / f"{name}.log"
     handle = log.open("wb")
     popen = subprocess.Popen(
         [sys.executable, "-m", "taco_llm.cli", *args], stdout=handle, stderr=subprocess.STDOUT,
-        cwd=ROOT, start_new_session=True,
+        cwd=ROOT, start_new_session=True, env={**os.environ, **env} if env else None,
     )
     return Process(name, popen, log)
 

@@ -18,10 +18,12 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import openai
@@ -35,6 +37,7 @@ from taco_llm.protos import engine_pb2, engine_pb2_grpc, rich_status
 from taco_llm.protos.engine_limits import ENGINE_SERVICE
 from taco_llm.protos.registry_keys import REGISTRY_KEY_PREFIX
 
+from .conftest import build_tiny_lora
 from .otlp_receiver import OtlpReceiver
 from .support import (
     ROOT,
@@ -59,7 +62,10 @@ FLEET_FLAGS = ["--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs"
                "--kv-cache-memory-bytes", "96M", "--seed", "0", "--enable-prefix-cache-offload",
                "--routing", "cache_aware", "--cache-aware-balance-abs-threshold", "3",
                "--cache-aware-balance-rel-threshold", "2", "--shutdown-timeout", "60",
-               "--stream-stall-timeout", str(STREAM_STALL_TIMEOUT)]
+               "--stream-stall-timeout", str(STREAM_STALL_TIMEOUT),
+               # Adapters loaded at runtime, through the gateway, on both workers (vLLM's condition for it).
+               "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"]
+FLEET_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
 REGISTRY_TTL = 3.0
 SURVIVE = 180.0  # seconds a restarted worker may take to start again and rejoin
 
@@ -141,7 +147,7 @@ def fleet(model_dir: Path, log_dir: Path, tmp_path_factory: pytest.TempPathFacto
         "serve", "--port", str(port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
         "--num-workers", str(NUM_WORKERS), "--registry-url", redis_server.url,
         "--otlp-traces-endpoint", receiver.endpoint, *FLEET_FLAGS,
-    ], log_dir)
+    ], log_dir, env=FLEET_ENV)
     base_url = f"http://127.0.0.1:{port}"
     fleet = Fleet(process, base_url, [grpc_port + i for i in range(NUM_WORKERS)],
                   [metrics_port + i for i in range(NUM_WORKERS)], redis_server, receiver)
@@ -276,6 +282,70 @@ def test_stored_responses_are_one_store_for_every_gateway(fleet: Fleet, fleet_cl
             first.responses.retrieve(asked.id)
     finally:
         second.stop()
+
+
+def _worker_adapters(fleet: Fleet, index: int) -> dict[str, bool]:
+    """The worker's adapters, as its own ModelInfo lists them: name -> loaded at runtime."""
+    with grpc.insecure_channel(fleet.worker_address(index)) as channel:
+        info = engine_pb2_grpc.EngineStub(channel).GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=10)
+    return {adapter.name: adapter.loaded_at_runtime for adapter in info.lora_adapters}
+
+
+def _worker_text(fleet: Fleet, index: int, model: str) -> str:
+    with grpc.insecure_channel(fleet.worker_address(index)) as channel:
+        replies = list(engine_pb2_grpc.EngineStub(channel).Generate(engine_pb2.GenerateRequest(
+            model=model, text="The best thing about the sea is",
+            sampling=engine_pb2.SamplingParams(max_tokens=8, temperature=0)), timeout=120))
+    return "".join(d.text for r in replies if r.WhichOneof("phase") == "delta" for d in r.delta.choices)
+
+
+def test_a_lora_adapter_loaded_at_runtime_reaches_every_worker(fleet: Fleet, fleet_client: openai.OpenAI,
+                                                              model_dir: Path, tmp_path: Path) -> None:
+    adapter = build_tiny_lora(model_dir, tmp_path / "runtime-lora")
+    name = "runtime-lora"
+
+    def post(route: str, body: dict[str, Any]) -> tuple[int, str]:
+        request = urllib.request.Request(f"{fleet.base_url}{route}", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=180) as reply:
+                return reply.status, reply.read().decode()
+        except urllib.error.HTTPError as error:
+            return error.code, error.read().decode()
+
+    status, text = post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(adapter)})
+    assert status == 200 and "Success" in text, text
+    assert all(_worker_adapters(fleet, i) == {name: True} for i in range(NUM_WORKERS))
+    # Each worker generates with it, alike, and unlike the base model (the adapter's B is not zero).
+    texts = {_worker_text(fleet, i, name) for i in range(NUM_WORKERS)}
+    assert len(texts) == 1 and texts != {_worker_text(fleet, 0, "SmolLM2-135M-Instruct")}
+    models = {model.id: model for model in fleet_client.models.list().data}
+    assert models[name].model_extra is not None and models[name].model_extra["parent"] == "SmolLM2-135M-Instruct"
+    through_gateway = fleet_client.completions.create(model=name, prompt="The best thing about the sea is",
+                                                      max_tokens=8, temperature=0)
+    assert through_gateway.choices[0].text in texts
+
+    # A worker that lacks it (as one does after a restart) is given it again by the gateway's loop.
+    with grpc.insecure_channel(fleet.worker_address(1)) as channel:
+        engine_pb2_grpc.EngineStub(channel).UnloadLoraAdapter(engine_pb2.UnloadLoraAdapterRequest(lora_name=name),
+                                                              timeout=10)
+    deadline = time.monotonic() + 20
+    while name not in _worker_adapters(fleet, 1):
+        assert time.monotonic() < deadline, "the gateway did not give the adapter back to the worker"
+        time.sleep(0.2)
+
+    status, text = post("/v1/load_lora_adapter", {"lora_name": "broken", "lora_path": str(tmp_path / "none")})
+    assert status == 400 and json.loads(text)["error"]["param"] == "lora_path", text
+    assert all("broken" not in _worker_adapters(fleet, i) for i in range(NUM_WORKERS))
+    status, text = post("/v1/unload_lora_adapter", {"lora_name": "never-loaded"})
+    assert status == 404 and json.loads(text)["error"]["param"] == "lora_name", text
+
+    status, text = post("/v1/unload_lora_adapter", {"lora_name": name})
+    assert status == 200 and "Success" in text, text
+    assert all(_worker_adapters(fleet, i) == {} for i in range(NUM_WORKERS))
+    with pytest.raises(openai.NotFoundError):
+        fleet_client.completions.create(model=name, prompt="Hi", max_tokens=2)
+    assert name not in {model.id for model in fleet_client.models.list().data}
 
 
 def test_skewed_load_spills_to_the_idle_worker(fleet: Fleet) -> None:

@@ -2,8 +2,9 @@
 values, ints across their whole range, odd strings, random oneof choices), and random bytes as a
 message.
 
-- The worker (the session `stack`): every Generate, Tokenize, Detokenize and Abort is answered OK or
-  with a precise status, never UNKNOWN or INTERNAL, and the worker generates the same greedy text after.
+- The worker (the session `stack`): every Generate, Tokenize, Detokenize, Abort, LoadLoraAdapter and
+  UnloadLoraAdapter is answered OK or with a precise status, never UNKNOWN or INTERNAL, and the worker
+  generates the same greedy text after.
 - The cache service (a real process, with a real redis-server): the same for KVBlockStore and
   LookaheadIndex; and a bad message never corrupts a stored block: the good blocks read back byte for
   byte, and a bad PutBlocks never leaves a partial block that GetBlocks returns.
@@ -272,7 +273,8 @@ def _greedy(engine: engine_pb2_grpc.EngineStub) -> str:
 ENGINE_METHOD = "/taco_llm.engine.v1.Engine/"
 ENGINE_REQUESTS: dict[str, type[Message]] = {
     "Generate": engine_pb2.GenerateRequest, "Tokenize": engine_pb2.TokenizeRequest,
-    "Detokenize": engine_pb2.DetokenizeRequest, "Abort": engine_pb2.AbortRequest}
+    "Detokenize": engine_pb2.DetokenizeRequest, "Abort": engine_pb2.AbortRequest,
+    "LoadLoraAdapter": engine_pb2.LoadLoraAdapterRequest, "UnloadLoraAdapter": engine_pb2.UnloadLoraAdapterRequest}
 
 
 @st.composite
@@ -333,6 +335,9 @@ def test_the_worker_answers_fuzzed_messages_precisely(stack: Stack) -> None:
         served(engine_pb2.TokenizeRequest).map(lambda m: ("Tokenize", m)),
         served(engine_pb2.DetokenizeRequest).map(lambda m: ("Detokenize", m)),
         messages(engine_pb2.AbortRequest).map(lambda m: ("Abort", m)),
+        # The session stack runs without --enable-lora: refused, precisely, whatever the fields.
+        messages(engine_pb2.LoadLoraAdapterRequest).map(lambda m: ("LoadLoraAdapter", m)),
+        messages(engine_pb2.UnloadLoraAdapterRequest).map(lambda m: ("UnloadLoraAdapter", m)),
         st.tuples(st.sampled_from(sorted(raw)), st.binary(max_size=64)),
     )
 

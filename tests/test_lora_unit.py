@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 
-from taco_llm.engine_worker.frontend.lora import LoraProblem, LoraRegistry, check_adapter
+from taco_llm.engine_worker.frontend.lora import LoraProblem, LoraRefusal, LoraRegistry, RuntimeAdapters, check_adapter
 
 from .support import ROOT, free_port
 
@@ -44,6 +48,81 @@ def test_registry_names_and_ids(tmp_path: Path) -> None:
     assert [r.lora_int_id for r in registry.requests.values()] == [1, 2]
     assert registry.get("base") is None and registry.get("a") is not None
     assert [a.base_model_name for a in registry.adapters] == ["base", "other"]
+
+
+class FakeEngine:
+    """What RuntimeAdapters reads of vLLM's AsyncLLM: its LoRA config, add_lora and remove_lora."""
+
+    def __init__(self, *, lora: bool = True) -> None:
+        self.vllm_config = types.SimpleNamespace(lora_config=types.SimpleNamespace(max_lora_rank=8) if lora else None)
+        self.held: dict[int, str] = {}
+
+    async def add_lora(self, request: Any) -> bool:
+        self.held[request.lora_int_id] = request.lora_name
+        return True
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return self.held.pop(lora_id, None) is not None
+
+
+def _runtime(engine: FakeEngine) -> tuple[RuntimeAdapters, LoraRegistry]:
+    registry = LoraRegistry([], "base")
+    return RuntimeAdapters(engine, registry, set(), ["base"]), registry  # type: ignore[arg-type]
+
+
+def test_runtime_adapters_load_replace_and_unload(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    engine = FakeEngine()
+    runtime, registry = _runtime(engine)
+    first, second = _adapter(tmp_path / "first"), _adapter(tmp_path / "second")
+
+    async def run() -> None:
+        assert await runtime.load("sql", str(first), inplace=False)
+        assert not await runtime.load("sql", str(first), inplace=False)  # again, from the same folder
+        assert registry.adapters[0].loaded_at_runtime and engine.held == {1: "sql"}
+        with pytest.raises(LoraRefusal) as clash:
+            await runtime.load("sql", str(second), inplace=False)
+        assert (clash.value.code, clash.value.field) == (grpc.StatusCode.ALREADY_EXISTS, "lora_name")
+        # In place: a new id (vLLM caches weights by id), the old one's weights dropped.
+        assert await runtime.load("sql", str(second), inplace=True)
+        assert engine.held == {2: "sql"} and registry.path_of("sql") == str(second)
+        await runtime.unload("sql")
+        assert engine.held == {} and registry.names == []
+        with pytest.raises(LoraRefusal) as unknown:
+            await runtime.unload("sql")
+        assert (unknown.value.code, unknown.value.field) == (grpc.StatusCode.NOT_FOUND, "lora_name")
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(("name", "folder", "code", "field"), [
+    ("", "ok", grpc.StatusCode.INVALID_ARGUMENT, "lora_name"),
+    ("x", "", grpc.StatusCode.INVALID_ARGUMENT, "lora_path"),
+    ("base", "ok", grpc.StatusCode.ALREADY_EXISTS, "lora_name"),
+    ("x", "missing", grpc.StatusCode.INVALID_ARGUMENT, "lora_path"),
+    ("x", "rank16", grpc.StatusCode.INVALID_ARGUMENT, "lora_path"),
+])
+def test_runtime_loads_are_refused_by_field(name: str, folder: str, code: grpc.StatusCode, field: str,
+                                            tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    _adapter(tmp_path / "ok")
+    _adapter(tmp_path / "rank16", rank=16)
+    runtime, registry = _runtime(FakeEngine())
+    with pytest.raises(LoraRefusal) as refused:
+        asyncio.run(runtime.load(name, str(tmp_path / folder) if folder else "", inplace=False))
+    assert (refused.value.code, refused.value.field) == (code, field)
+    assert registry.names == []
+
+
+@pytest.mark.parametrize(("lora", "allowed", "why"), [
+    (False, "1", "--enable-lora"), (True, "0", "VLLM_ALLOW_RUNTIME_LORA_UPDATING")])
+def test_runtime_adapters_need_enable_lora_and_vllms_variable(lora: bool, allowed: str, why: str, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", allowed)
+    runtime, _ = _runtime(FakeEngine(lora=lora))
+    for call in (runtime.load("x", str(_adapter(tmp_path / "ok")), inplace=False), runtime.unload("x")):
+        with pytest.raises(LoraRefusal) as refused:
+            asyncio.run(call)
+        assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION and why in str(refused.value)
 
 
 def _worker_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:

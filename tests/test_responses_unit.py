@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -141,13 +140,6 @@ def _record(response_id: str, *, status: str = "completed", pad: int = 0) -> Sto
     return StoredResponse({"id": response_id, "object": "response", "status": status, "pad": "x" * pad},
                           [{"role": "user", "content": "hi"}])
 
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(free_port(), tmp_path_factory.mktemp("responses-redis"), persist=False)
-    server.start()
-    yield server
-    server.stop()
 
 
 class FakeClock:

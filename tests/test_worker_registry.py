@@ -27,13 +27,6 @@ from .support import RedisServer, free_port
 TTL = 1.5  # seconds: short, so that expiry is seen quickly
 
 
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(free_port(), tmp_path_factory.mktemp("redis"), persist=False)
-    server.start()
-    yield server
-    server.stop()
-
 
 @pytest.fixture
 def reader(redis_server: RedisServer) -> Iterator[redis.Redis]:

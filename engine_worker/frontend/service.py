@@ -32,7 +32,7 @@ from .drain import StreamGate
 from .engine import LoadTracker
 from .frontend_args import FrontendOptions
 from .held_prefixes import prefix_chunks_problem
-from .lora import LoraRegistry
+from .lora import LoraRefusal, LoraRegistry, RuntimeAdapters
 from .outputs import ResponseBuilder, ResumedText
 from .prefix_publisher import PrefixPublisher
 from .sampling import InvalidField, Limits, structured, to_vllm
@@ -115,8 +115,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         self.cache_incarnation = cache_incarnation
         self.metrics_port = metrics_port
         self.loras = LoraRegistry(frontend.lora_modules, served_model_names[0])
-        # The base model's names, then one per LoRA adapter: every name a request may use.
-        self.served_model_names = served_model_names + self.loras.names
+        self.base_model_names = served_model_names
         self.model_config = engine.model_config
         self.renderer = engine.renderer
         self.tokenizer = engine.get_tokenizer()
@@ -137,12 +136,18 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         self.prefix_publisher: PrefixPublisher | None = None
         self.created = int(time.time())
         self.loaded_adapters: set[str] = set()
+        self.runtime_adapters = RuntimeAdapters(engine, self.loras, self.loaded_adapters, served_model_names)
         self.chat_defaults = prompts.ChatDefaults(frontend.chat_template, frontend.trust_request_chat_template)
         self.tool_calling = ToolCalling(
             tool_parser_class(frontend.tool_call_parser, frontend.enable_auto_tool_choice, self.tokenizer,
                               self.model_config.model),
             frontend.enable_auto_tool_choice, self.tokenizer, self.model_config, frontend.tool_call_parser or "",
         )
+
+    @property
+    def served_model_names(self) -> list[str]:
+        """The base model's names, then one per LoRA adapter: every name a request may use."""
+        return self.base_model_names + self.loras.names
 
     async def _check_model(self, model: str, context: grpc.aio.ServicerContext) -> LoRARequest | None:
         """The LoRA adapter the model name asks for (None: the base model)."""
@@ -402,6 +407,26 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         if request.return_token_strs:
             reply.token_strs.extend(self.tokenizer.convert_ids_to_tokens(ids))
         return reply
+
+    async def LoadLoraAdapter(self, request: engine_pb2.LoadLoraAdapterRequest,
+                              context: grpc.aio.ServicerContext) -> engine_pb2.LoadLoraAdapterResponse:
+        try:
+            loaded = await self.runtime_adapters.load(request.lora_name, request.lora_path,
+                                                      inplace=request.load_inplace)
+        except LoraRefusal as refusal:
+            await abort(context, refusal.code, str(refusal), refusal.reason, refusal.field)
+        if loaded:
+            logger.info("LoRA adapter %s loaded from %s", request.lora_name, request.lora_path)
+        return engine_pb2.LoadLoraAdapterResponse(loaded=loaded)
+
+    async def UnloadLoraAdapter(self, request: engine_pb2.UnloadLoraAdapterRequest,
+                                context: grpc.aio.ServicerContext) -> engine_pb2.UnloadLoraAdapterResponse:
+        try:
+            await self.runtime_adapters.unload(request.lora_name)
+        except LoraRefusal as refusal:
+            await abort(context, refusal.code, str(refusal), refusal.reason, refusal.field)
+        logger.info("LoRA adapter %s unloaded", request.lora_name)
+        return engine_pb2.UnloadLoraAdapterResponse()
 
     async def Detokenize(self, request: engine_pb2.DetokenizeRequest,
                          context: grpc.aio.ServicerContext) -> engine_pb2.DetokenizeResponse:
