@@ -141,6 +141,9 @@ def parse(argv: Sequence[str] | None) -> GatewaySettings:
         responses_store_url=args.responses_store_url or args.registry_url,
         responses_ttl=args.responses_ttl,
         responses_max_bytes=args.responses_max_bytes,
+        # As vLLM reads it.
+        runtime_lora_updating=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower()
+        in ("1", "true"),
     )
 
 

@@ -96,6 +96,8 @@ class GatewaySettings:
     responses_store_url: str | None = None
     responses_ttl: float = DEFAULT_RESPONSES_TTL
     responses_max_bytes: int = DEFAULT_RESPONSES_MAX_BYTES
+    # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING, from the environment: /v1/load_lora_adapter is served.
+    runtime_lora_updating: bool = False
 
     @property
     def scheme(self) -> str:
@@ -128,6 +130,19 @@ def response_store(settings: GatewaySettings) -> ResponseStore:
                               max_bytes=settings.responses_max_bytes)
 
 
+def runtime_lora_refusal(settings: GatewaySettings) -> APIError | None:
+    """Why /v1/load_lora_adapter and /v1/unload_lora_adapter are refused here, if they are: as in vLLM,
+    they need VLLM_ALLOW_RUNTIME_LORA_UPDATING (without it vLLM's server has no such routes: 404); and
+    several API server processes need one book they all read (the registry's Redis)."""
+    if not settings.runtime_lora_updating:
+        return APIError(404, "runtime LoRA updating is off: start the gateway (and the workers) with "
+                             "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, as vLLM's server wants", code="not_found")
+    if settings.api_server_count > 1 and not settings.registry_url:
+        return APIError(400, "runtime LoRA adapters with --api-server-count above 1 need --registry-url: the "
+                             "processes keep the fleet's adapters there, in one book", code="lora_book_not_shared")
+    return None
+
+
 def create_app(settings: GatewaySettings, pool: EnginePool | None = None) -> FastAPI:
     metadata = engine_metadata(settings.engine_api_key)
     pool = pool or EnginePool(
@@ -149,7 +164,7 @@ def create_app(settings: GatewaySettings, pool: EnginePool | None = None) -> Fas
     responses = ServingResponses(chat, response_store(settings), token_text)
     # The fleet's runtime LoRA adapters: in the registry's Redis, where every gateway replica reads them.
     adapters = FleetAdapters(pool, RedisAdapterBook(settings.registry_url) if settings.registry_url
-                             else MemoryAdapterBook())
+                             else MemoryAdapterBook(), refusal=runtime_lora_refusal(settings))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -108,6 +108,15 @@ class ApiKeyMiddleware:
             Admission.done(token)
 
 
+def require_operator(request: Request, action: str) -> None:
+    """Changes to the whole fleet are the operator's: where keys name tenants, only a key of the default
+    tenant (a plain --api-key, or VLLM_API_KEY) may make them; a named tenant's key gets 403."""
+    tenant = request.scope.get("state", {}).get(TENANT_STATE)
+    if isinstance(tenant, Tenant) and tenant.name:
+        raise APIError(403, f"{action} changes the whole fleet: only the operator's key (a plain --api-key, "
+                            f"of no tenant) may do it, not {tenant.label}'s", code="permission_denied")
+
+
 def isolated_cache_salt(request: Request, client_salt: str | None) -> str | None:
     """The cache_salt a generation request is sent with: under --tenant-isolation the tenant's own
     (tenants.cache_salt), else the client's."""

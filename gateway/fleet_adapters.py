@@ -9,8 +9,9 @@ this gateway's memory) that a reconciling loop holds the workers to:
   (each pass that finds the book changed re-reads the workers' ModelInfo, and every fifth pass does
   anyway, which also finds a worker that lost an adapter behind the gateways' backs).
 
-Adapters a worker was started with (--lora-modules) are its own: the loop never unloads them, though an
-unload request does, as in vLLM.
+The loop unloads only what left the book (through any replica) in the last RETIRED_SECONDS: adapters a
+worker was started with (--lora-modules), and ones a gRPC client loaded on a worker directly, are not
+the fleet's to take (an unload request through the gateway does take them, as in vLLM).
 
 The book is written before the workers load, so that a replica's loop never takes a half-loaded adapter
 for a stray one and unloads it.
@@ -44,6 +45,9 @@ RECONCILE_SECONDS = 1.0
 # worker's adapters can change behind the gateways' backs (a gRPC client's unload), and a stale view
 # would never be corrected.
 FULL_REREAD_PASSES = 5
+# How long a name that left the book is still unloaded from a worker found holding it (one that was
+# unreachable when it left, say).
+RETIRED_SECONDS = 600.0
 # A load reads the adapter's weights from disk into the engine: seconds for a large one.
 LOAD_DEADLINE_SECONDS = 120.0
 CALL_DEADLINE_SECONDS = 10.0
@@ -123,10 +127,16 @@ def _adapters(client: EngineClient) -> dict[str, engine_pb2.LoraAdapter]:
 
 
 class FleetAdapters:
-    def __init__(self, pool: EnginePool, book: AdapterBook) -> None:
+    """`refusal`: what load and unload answer instead, where this gateway may not change the fleet's
+    adapters (app.py says when)."""
+
+    def __init__(self, pool: EnginePool, book: AdapterBook, *, refusal: APIError | None = None) -> None:
         self.pool = pool
         self.book = book
+        self.refusal = refusal
         self._last_book: dict[str, Adapter] | None = None
+        # Names that left the book, and when (loop time).
+        self._retired: dict[str, float] = {}
         self._passes = 0
         # (worker, adapter) -> the last error its load met, logged once.
         self._failing: dict[tuple[str, str], str] = {}
@@ -143,14 +153,19 @@ class FleetAdapters:
         await self.book.close()
 
     async def load(self, name: str, path: str, *, base_model_name: str | None, inplace: bool) -> str:
+        if self.refusal is not None:
+            raise self.refusal
         if not name:
             raise bad_request("lora_name is required", "lora_name")
         if not path:
             raise bad_request("lora_path is required", "lora_path")
         targets = self._targets(base_model_name)
-        if name in {_base(client) for client in targets}:
-            raise bad_request(f"`{name}` is the base model's name", "lora_name")
-        adapter = Adapter(name, path, base_model_name or "")
+        self._check_name_free(name, targets)
+        # The base resolved, not "": a worker of another base model that joins later never gets it.
+        adapter = Adapter(name, path, _base(targets[0]))
+        # Where a load in place fails, each worker goes back to the path it had.
+        held_paths = {client.member_id: held.path for client in targets
+                      if (held := _adapters(client).get(name)) is not None}
         before = await self._book_call(self.book.all())
         await self._book_call(self.book.put(adapter))
         request = engine_pb2.LoadLoraAdapterRequest(lora_name=name, lora_path=path, load_inplace=inplace)
@@ -164,7 +179,9 @@ class FleetAdapters:
                            if isinstance(o, engine_pb2.LoadLoraAdapterResponse) and o.loaded]
             previous = before.get(name)
             await self._book_call(self.book.put(previous) if previous else self.book.remove(name))
-            await self._unload_from(loaded_here, name)
+            await self._unload_from([c for c in loaded_here if c.member_id not in held_paths], name)
+            await asyncio.gather(*(self._give(c, Adapter(name, held_paths[c.member_id]), inplace=True)
+                                   for c in loaded_here if c.member_id in held_paths))
             await self._reread(targets)
             failure = refusal or next(o for o in outcomes if isinstance(o, BaseException))
             if isinstance(failure, grpc.aio.AioRpcError):
@@ -178,6 +195,8 @@ class FleetAdapters:
         return f"Success: LoRA adapter '{name}' added successfully."
 
     async def unload(self, name: str) -> str:
+        if self.refusal is not None:
+            raise self.refusal
         if not name:
             raise bad_request("lora_name is required", "lora_name")
         removed = await self._book_call(self.book.remove(name))
@@ -189,6 +208,18 @@ class FleetAdapters:
         await self._reread(holders)
         logger.info("LoRA adapter %s unloaded from %d workers", name, len(holders))
         return f"Success: LoRA adapter '{name}' removed successfully."
+
+    def _check_name_free(self, name: str, targets: Sequence[EngineClient]) -> None:
+        """An adapter's name must not be another model's: a base model's (any of its names), or an adapter
+        of another base; the pool routes by name, so it would take that model's requests."""
+        for client in self.pool.ready_clients():
+            assert client.info is not None
+            if name not in client.info.served_model_names:
+                continue
+            if name not in _adapters(client):
+                raise bad_request(f"`{name}` is a base model's name", "lora_name")
+            if client not in targets:
+                raise bad_request(f"`{name}` is an adapter of the base model `{_base(client)}`", "lora_name")
 
     def _targets(self, base_model_name: str | None) -> list[EngineClient]:
         ready = self.pool.ready_clients()
@@ -241,10 +272,15 @@ class FleetAdapters:
             await asyncio.sleep(RECONCILE_SECONDS)
 
     async def reconcile(self) -> None:
-        """One pass: each ready worker given the book's adapters it lacks, and rid of the runtime ones the
-        book no longer has; ModelInfo read again where anything changed."""
+        """One pass: each ready worker given the book's adapters it lacks, and rid of the ones that left the
+        book; ModelInfo read again where anything changed."""
         book = await self.book.all()
         changed = book != self._last_book
+        now = asyncio.get_running_loop().time()
+        for name in set(self._last_book or ()) - set(book):
+            self._retired[name] = now
+        self._retired = {name: at for name, at in self._retired.items()
+                         if name not in book and now - at < RETIRED_SECONDS}
         self._last_book = book
         if self._passes % FULL_REREAD_PASSES == 0:
             await self._reread(self.pool.ready_clients())
@@ -252,19 +288,22 @@ class FleetAdapters:
         touched: list[EngineClient] = []
         for client in self.pool.ready_clients():
             held = _adapters(client)
-            missing = [a for a in book.values()
-                       if a.name not in held and a.base_model_name in ("", _base(client))]
-            stray = [a.name for a in held.values() if a.loaded_at_runtime and a.name not in book]
+            missing = [a for a in book.values() if a.base_model_name in ("", _base(client))
+                       and (a.name not in held or held[a.name].path != a.path)]
+            stray = [a.name for a in held.values() if a.loaded_at_runtime and a.name in self._retired]
             for adapter in missing:
-                await self._give(client, adapter)
+                await self._give(client, adapter, inplace=adapter.name in held)
             if stray:
                 await asyncio.gather(*(self._unload_from([client], name) for name in stray))
             if missing or stray or changed:
                 touched.append(client)
         await self._reread(touched)
 
-    async def _give(self, client: EngineClient, adapter: Adapter) -> None:
-        request = engine_pb2.LoadLoraAdapterRequest(lora_name=adapter.name, lora_path=adapter.path)
+    async def _give(self, client: EngineClient, adapter: Adapter, *, inplace: bool = False) -> None:
+        """Loads `adapter` on the worker (in place of the one of its name it holds, with `inplace`); a
+        failure is logged once per worker, adapter and error, and tried again by the next pass."""
+        request = engine_pb2.LoadLoraAdapterRequest(lora_name=adapter.name, lora_path=adapter.path,
+                                                    load_inplace=inplace)
         key = (client.member_id, adapter.name)
         try:
             await client.stub.LoadLoraAdapter(request, timeout=LOAD_DEADLINE_SECONDS, metadata=client.metadata)

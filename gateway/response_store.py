@@ -60,6 +60,9 @@ class StoredResponse:
 
 
 class ResponseStore(Protocol):
+    # What all records together may take (--responses-max-bytes); a larger one is never written.
+    max_bytes: int
+
     async def put(self, scope: str, record: StoredResponse, *, only_from: frozenset[str] | None = None) -> bool:
         """Writes `record` under its id; with `only_from`, only over a stored record in one of those
         statuses. False where it was not written (the status had moved on, or the record is over the cap)."""
@@ -96,9 +99,9 @@ class MemoryResponseStore:
         if only_from is not None and (key not in self._records or self._records[key][1] not in only_from):
             return False
         body = record.body()
-        self._drop(key)
         if len(body) > self.max_bytes:
             return False
+        self._drop(key)
         while self._records and self._bytes + len(body) > self.max_bytes:
             self._drop(next(iter(self._records)))
         self._records[key] = (self._clock() + self.ttl, record.status, body)
@@ -157,11 +160,11 @@ if ARGV[6] ~= '' then
   local status = redis.call('HGET', KEYS[1], 'status')
   if not status or not string.find(ARGV[6], ',' .. status .. ',', 1, true) then return 0 end
 end
-for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[4])) do drop(member) end
-drop(KEYS[1])
 local size = string.len(ARGV[1])
 local cap = tonumber(ARGV[5])
 if size > cap then return -1 end
+for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[4])) do drop(member) end
+drop(KEYS[1])
 while tonumber(redis.call('GET', KEYS[4]) or '0') + size > cap do
   local oldest = redis.call('ZRANGE', KEYS[2], 0, 0)
   if #oldest == 0 then break end

@@ -26,7 +26,7 @@ from .anthropic_protocol import (
     MessagesResponse,
     MessagesStreamEvent,
 )
-from .auth import isolated_cache_salt
+from .auth import isolated_cache_salt, require_operator
 from .fleet_adapters import FleetAdapters
 from .metrics import REGISTRY, all_processes_registry
 from .protocol import (
@@ -82,6 +82,12 @@ _BODY_REFUSALS: Responses = {
     400: _error("A field is invalid (the error's `param` names it), or the body is not JSON."),
     404: _error("The model is not served (code `model_not_found`)."),
     413: _error("The body is over the size limit."),
+}
+# The fleet-wide routes (runtime LoRA adapters): a named tenant's key is refused; without
+# VLLM_ALLOW_RUNTIME_LORA_UPDATING they answer 404, as vLLM's server, which has no such routes then.
+_OPERATOR_ONLY: Responses = {
+    403: _error("A named tenant's key: only the operator's key may change the fleet's adapters."),
+    404: _error("No such adapter to unload (`param`: lora_name), or runtime LoRA updating is off."),
 }
 # No worker can take the request right now: retry after Retry-After seconds.
 _UNAVAILABLE: Responses = {503: _error("No worker is ready for the model; retry after Retry-After seconds.")}
@@ -275,15 +281,17 @@ def api_router(servings: Servings, *, all_processes_metrics: bool = False) -> AP
 
     @router.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=_text_answers(
         "The adapter is loaded on every ready worker of its base model, and given to workers that join.",
-        _answers(_REFUSALS, _BODY_REFUSALS, _UNAVAILABLE)))
-    async def load_lora_adapter(body: LoadLoraAdapterRequest) -> Response:
+        _answers(_REFUSALS, _BODY_REFUSALS, _OPERATOR_ONLY, _UNAVAILABLE)))
+    async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> Response:
+        require_operator(request, "loading a LoRA adapter")
         return PlainTextResponse(await servings.adapters.load(
             body.lora_name, body.lora_path, base_model_name=body.base_model_name, inplace=bool(body.load_inplace)))
 
     @router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=_text_answers(
         "The adapter is unloaded from every worker that holds it.",
-        _answers(_REFUSALS, _BODY_REFUSALS, _UNAVAILABLE)))
-    async def unload_lora_adapter(body: UnloadLoraAdapterRequest) -> Response:
+        _answers(_REFUSALS, _BODY_REFUSALS, _OPERATOR_ONLY, _UNAVAILABLE)))
+    async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request) -> Response:
+        require_operator(request, "unloading a LoRA adapter")
         return PlainTextResponse(await servings.adapters.unload(body.lora_name))
 
     # PlainTextResponse documents the 200 as text; the refusals stay JSON, by their schema's reference

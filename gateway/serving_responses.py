@@ -113,7 +113,7 @@ def _string(item: dict[str, Any], name: str, param: str) -> str:
 
 def _message(item: dict[str, Any], param: str) -> dict[str, Any]:
     role = item.get("role")
-    if role not in _ROLES:
+    if not isinstance(role, str) or role not in _ROLES:
         raise bad_request(f"role {role!r} is not one of {', '.join(_ROLES)}", f"{param}.role")
     content = item.get("content")
     if isinstance(content, str):
@@ -472,10 +472,21 @@ class ServingResponses:
 
     async def _put(self, scope: str | None, record: StoredResponse, *,
                    only_from: frozenset[str] | None = None) -> None:
+        """Stores `record`. One larger than the store takes is logged and not stored; a background one
+        (`only_from`: it replaces its own record) is stored as `failed`, saying so, so that a client
+        polling it learns why rather than finding it gone."""
         if scope is None:
             return
-        if not await self.store.put(scope, record, only_from=only_from) and only_from is None:
-            logger.warning("response %s was not stored: larger than --responses-max-bytes", record.response["id"])
+        if len(record.body()) > self.store.max_bytes:
+            logger.warning("response %s is larger than --responses-max-bytes (%d)%s", record.response["id"],
+                           self.store.max_bytes, ": stored as failed" if only_from else ": not stored")
+            if only_from is None:
+                return
+            too_large = APIError(400, f"the response is larger than this server stores ({self.store.max_bytes} "
+                                      "bytes, its --responses-max-bytes)", code="response_too_large")
+            record = StoredResponse({**record.response, "status": "failed", "output": [], "usage": None,
+                                     "error": {"code": too_large.code, "message": too_large.message}}, [])
+        await self.store.put(scope, record, only_from=only_from)
 
     async def _whole(self, scope: str | None, response: _Response, stream: EngineStream) -> dict[str, Any]:
         result = await collect(stream, 1)
@@ -543,52 +554,54 @@ class ServingResponses:
 
     async def _run(self, scope: str, response: _Response, chat: ChatCompletionRequest) -> None:
         """A background response, from queued to its end; stops where its status has left LIVE (a cancel,
-        from any replica) or its record has gone (a DELETE)."""
+        from any replica) or its record has gone (a DELETE). Its end is always written, if the store
+        answers: a store that fails the last write leaves the record as it was, to expire."""
         runner = asyncio.current_task()
         assert runner is not None
         watcher = asyncio.create_task(self._watch(scope, response.id, runner))
         output: OutputItems | None = None
+        end: StoredResponse | None = None
         try:
-            try:
-                opened = await self.chat.open(chat, None)
-            except APIError as error:
-                raise _in_responses_terms(error) from None
-            assert not isinstance(opened, JSONResponse)  # no client to leave
-            context, stream = opened
-            response.model = context.model
-            in_progress = StoredResponse(response.json("in_progress"), response.conversation)
-            if not await self.store.put(scope, in_progress, only_from=LIVE):
-                stream.close()
-                return
-            output = OutputItems(self.token_text)
-            usage = None
-            try:
-                async for message in stream.messages():
-                    if message.WhichOneof("phase") == "delta":
-                        for delta in message.delta.choices:
-                            output.add(delta)
-                    elif message.WhichOneof("phase") == "finished":
-                        usage = message.finished.usage
-            finally:
-                stream.close()
-            output.close()
-            await self._put(scope, response.finished(output, usage), only_from=LIVE)
+            end = await self._generate(scope, response, chat, output := OutputItems(self.token_text))
         except APIError as error:
-            await self._put(scope, response.failed(error, output), only_from=LIVE)
+            end = response.failed(_in_responses_terms(error), output)
         except asyncio.CancelledError:
             if self._closing:
-                shutdown = APIError(503, "the gateway shut down before the response was finished",
-                                    code="gateway_shutdown")
-                with contextlib.suppress(APIError):
-                    await self._put(scope, response.failed(shutdown, output), only_from=LIVE)
+                end = response.failed(APIError(503, "the gateway shut down before the response was finished",
+                                               code="gateway_shutdown"), output)
             raise
         except Exception:
             logger.exception("background response %s failed", response.id)
-            with contextlib.suppress(APIError):
-                await self._put(scope, response.failed(APIError(500, "the server failed while generating"),
-                                                       output), only_from=LIVE)
+            end = response.failed(APIError(500, "the server failed while generating"), output)
         finally:
             watcher.cancel()
+            if end is not None:
+                with contextlib.suppress(APIError):
+                    await self._put(scope, end, only_from=LIVE)
+
+    async def _generate(self, scope: str, response: _Response, chat: ChatCompletionRequest,
+                        output: OutputItems) -> StoredResponse | None:
+        """A background response's generation into `output`: its finished record, or None where it was
+        cancelled or deleted before it began."""
+        opened = await self.chat.open(chat, None)
+        assert not isinstance(opened, JSONResponse)  # no client to leave
+        context, stream = opened
+        try:
+            response.model = context.model
+            if not await self.store.put(scope, StoredResponse(response.json("in_progress"), response.conversation),
+                                        only_from=LIVE):
+                return None
+            usage = None
+            async for message in stream.messages():
+                if message.WhichOneof("phase") == "delta":
+                    for delta in message.delta.choices:
+                        output.add(delta)
+                elif message.WhichOneof("phase") == "finished":
+                    usage = message.finished.usage
+        finally:
+            stream.close()  # whatever happened: the engine request ends with it
+        output.close()
+        return response.finished(output, usage)
 
     async def _watch(self, scope: str, response_id: str, runner: asyncio.Task[None]) -> None:
         while True:

@@ -96,12 +96,63 @@ def test_a_load_reaches_every_worker_and_an_unload_leaves_none() -> None:
     async def run() -> None:
         assert "Success" in await fleet.load("sql", "/adapters/sql", base_model_name=None, inplace=False)
         assert all(c.info is not None and "sql" in c.info.served_model_names for c in clients)
-        assert await fleet.book.all() == {"sql": Adapter("sql", "/adapters/sql")}
+        assert await fleet.book.all() == {"sql": Adapter("sql", "/adapters/sql", BASE)}
         assert "Success" in await fleet.unload("sql")
         assert a.adapters == b.adapters == {} and await fleet.book.all() == {}
         with pytest.raises(APIError) as unknown:
             await fleet.unload("sql")
         assert (unknown.value.status, unknown.value.param) == (404, "lora_name")
+    asyncio.run(run())
+
+
+def test_the_book_names_the_base_and_an_adapter_cannot_take_another_models_name() -> None:
+    a, b = FakeWorker("a:1"), FakeWorker("b:1", base="other-base", adapters={"other-sql": ("/o", False)})
+    fleet, _ = _fleet(a, b)
+
+    async def run() -> None:
+        await fleet.load("sql", "/adapters/sql", base_model_name=BASE, inplace=False)
+        assert await fleet.book.all() == {"sql": Adapter("sql", "/adapters/sql", BASE)}
+        for name in ("other-base", "other-sql"):
+            with pytest.raises(APIError) as taken:
+                await fleet.load(name, "/adapters/x", base_model_name=BASE, inplace=False)
+            assert (taken.value.status, taken.value.param) == (400, "lora_name")
+    asyncio.run(run())
+
+
+def test_a_failed_load_in_place_puts_each_worker_back_on_its_path() -> None:
+    a = FakeWorker("a:1", adapters={"sql": ("/adapters/old", True)})
+    b = FakeWorker("b:1", adapters={"sql": ("/adapters/old", True)}, refuses=True)
+    fleet, _ = _fleet(a, b)
+
+    async def replace_in_place(worker: FakeWorker) -> Any:
+        original = worker.LoadLoraAdapter
+
+        async def load(request: engine_pb2.LoadLoraAdapterRequest, **kwargs: Any) -> Any:
+            if request.load_inplace and not worker.refuses:
+                worker.calls.append(f"load {request.lora_name} in place from {request.lora_path}")
+                worker.adapters[request.lora_name] = (request.lora_path, True)
+                return engine_pb2.LoadLoraAdapterResponse(loaded=True)
+            return await original(request, **kwargs)
+        return load
+
+    async def run() -> None:
+        a.LoadLoraAdapter = await replace_in_place(a)  # type: ignore[method-assign]
+        with pytest.raises(APIError):
+            await fleet.load("sql", "/adapters/new", base_model_name=None, inplace=True)
+        assert a.adapters["sql"] == ("/adapters/old", True)
+        assert a.calls == ["load sql in place from /adapters/new", "load sql in place from /adapters/old"]
+    asyncio.run(run())
+
+
+def test_a_gateway_that_may_not_change_adapters_says_why() -> None:
+    fleet = FleetAdapters(FakePool([]), MemoryAdapterBook(),  # type: ignore[arg-type]
+                          refusal=APIError(404, "runtime LoRA updating is off"))
+
+    async def run() -> None:
+        for call in (fleet.load("x", "/x", base_model_name=None, inplace=False), fleet.unload("x")):
+            with pytest.raises(APIError) as refused:
+                await call
+            assert refused.value.status == 404
     asyncio.run(run())
 
 
@@ -151,19 +202,24 @@ def test_with_several_base_models_the_base_must_be_named_and_only_its_workers_lo
     asyncio.run(run())
 
 
-def test_the_loop_gives_a_newcomer_the_books_adapters_and_takes_strays_but_not_start_up_ones() -> None:
-    newcomer = FakeWorker("c:1", adapters={"stray": ("/adapters/stray", True), "own": ("/adapters/own", False)})
+def test_the_loop_gives_a_newcomer_the_books_adapters_and_takes_only_what_left_the_book() -> None:
+    newcomer = FakeWorker("c:1", adapters={"direct": ("/adapters/direct", True), "own": ("/adapters/own", False)})
     book = MemoryAdapterBook()
     asyncio.run(book.put(Adapter("sql", "/adapters/sql")))
     fleet, clients = _fleet(newcomer, book=book)
 
     async def run() -> None:
         await fleet.reconcile()
-        assert newcomer.adapters == {"sql": ("/adapters/sql", True), "own": ("/adapters/own", False)}
+        # Given the book's; a gRPC client's own adapter and the start-up one are not the fleet's to take.
+        assert newcomer.adapters == {"sql": ("/adapters/sql", True), "direct": ("/adapters/direct", True),
+                                     "own": ("/adapters/own", False)}
         assert clients[0].info is not None and "sql" in clients[0].info.served_model_names
         calls = list(newcomer.calls)
         await fleet.reconcile()  # nothing left to do: no call
         assert newcomer.calls == calls
+        await book.remove("sql")  # through another gateway replica
+        await fleet.reconcile()
+        assert set(newcomer.adapters) == {"direct", "own"}
     asyncio.run(run())
 
 

@@ -63,8 +63,15 @@ def served(model: str) -> Callable[[Case], Case]:
     break the schema keep whatever model they were generated with."""
 
     def point(case: Case) -> Case:
-        if isinstance(case.body, dict) and isinstance(case.body.get("model"), str):
-            case.body["model"] = model
+        body = case.body
+        if isinstance(body, dict) and isinstance(body.get("model"), str):
+            body["model"] = model
+        # The schema cannot say that a prompt must not be empty, nor that /tokenize wants a prompt or
+        # messages: without this most valid-typed bodies of those routes end in that one refusal, which
+        # the broken bodies reach anyway, and a draw can leave a route with no accepted body at all.
+        if isinstance(body, dict) and case.operation.path in ("/v1/completions", "/tokenize") and (
+                body.get("prompt") in ("", []) or (body.get("prompt") is None and not body.get("messages"))):
+            body["prompt"] = PROMPT
         return case
 
     return point

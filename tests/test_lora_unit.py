@@ -56,8 +56,11 @@ class FakeEngine:
     def __init__(self, *, lora: bool = True) -> None:
         self.vllm_config = types.SimpleNamespace(lora_config=types.SimpleNamespace(max_lora_rank=8) if lora else None)
         self.held: dict[int, str] = {}
+        self.fails = False
 
     async def add_lora(self, request: Any) -> bool:
+        if self.fails:
+            raise RuntimeError("bad weights")
         self.held[request.lora_int_id] = request.lora_name
         return True
 
@@ -86,6 +89,15 @@ def test_runtime_adapters_load_replace_and_unload(tmp_path: Path, monkeypatch: p
         # In place: a new id (vLLM caches weights by id), the old one's weights dropped.
         assert await runtime.load("sql", str(second), inplace=True)
         assert engine.held == {2: "sql"} and registry.path_of("sql") == str(second)
+        # A replacement whose weights fail to load leaves the adapter serving as it was.
+        engine.fails = True
+        with pytest.raises(LoraRefusal) as failed:
+            await runtime.load("sql", str(first), inplace=True)
+        assert (failed.value.code, failed.value.field) == (grpc.StatusCode.INVALID_ARGUMENT, "lora_path")
+        assert engine.held == {2: "sql"} and registry.path_of("sql") == str(second)
+        request = registry.get("sql")
+        assert request is not None and request.lora_int_id == 2
+        engine.fails = False
         await runtime.unload("sql")
         assert engine.held == {} and registry.names == []
         with pytest.raises(LoraRefusal) as unknown:

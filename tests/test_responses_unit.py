@@ -80,6 +80,7 @@ def test_instructions_lead_and_are_not_part_of_the_conversation_carried_on() -> 
 @pytest.mark.parametrize(("fields", "param"), [
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+    ({"input": [{"role": ["user"], "content": "x"}]}, "input[0].role"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0].type"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": 3}]}, "input[0].output"),
@@ -216,6 +217,9 @@ def test_the_byte_cap_evicts_the_oldest_first_and_refuses_what_cannot_fit(kind: 
         assert [await store.get("t", f"resp_{i}") is not None for i in range(4)] == [True, False, True, True]
         assert not await store.put("t", _record("huge", pad=4 * one))
         assert await store.get("t", "huge") is None
+        # Too large to store, it leaves the record it would have replaced as it was.
+        assert not await store.put("t", _record("resp_3", pad=4 * one))
+        assert await store.get("t", "resp_3") is not None
         await store.close()
     asyncio.run(run())
     if kind == "redis":

@@ -127,6 +127,18 @@ def test_a_stored_response_is_its_tenants_alone(tenants_stack: Stack) -> None:
                                   max_output_tokens=2).previous_response_id == stored.id
 
 
+def test_only_the_operators_key_may_change_the_fleets_adapters(tenants_stack: Stack) -> None:
+    # A named tenant is refused (403); the plain key gets past, to what this gateway says of runtime
+    # LoRA: off, as it runs without VLLM_ALLOW_RUNTIME_LORA_UPDATING (vLLM's server: no such route, 404).
+    body = {"lora_name": "mine", "lora_path": "/tmp/none"}
+    for key, status in ((ALICE_KEY, 403), (PLAIN_KEY, 404)):
+        for route in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            reply = httpx.post(f"{tenants_stack.base_url}{route}", json=body, timeout=30,
+                               headers={"Authorization": f"Bearer {key}"})
+            assert reply.status_code == status, reply.text
+            assert reply.json()["error"]["message"]
+
+
 def test_unknown_key_is_refused_and_tenant_keys_do_not_reach_the_worker(tenants_stack: Stack) -> None:
     with pytest.raises(openai.AuthenticationError) as excinfo:
         client(tenants_stack, "sk-nobody").models.list()

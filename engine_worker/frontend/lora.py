@@ -66,6 +66,17 @@ class LoraRegistry:
             loaded_at_runtime=at_runtime)
         return request
 
+    def entry(self, name: str) -> tuple[LoRARequest, engine_pb2.LoraAdapter] | None:
+        """What `restore` takes back: the adapter's request and description, or None."""
+        request = self.requests.get(name)
+        return None if request is None else (request, self._adapters[name])
+
+    def restore(self, name: str, entry: tuple[LoRARequest, engine_pb2.LoraAdapter] | None) -> None:
+        """Puts back what `entry` read before a replacement that failed (None: there was nothing)."""
+        self.remove(name)
+        if entry is not None:
+            self.requests[name], self._adapters[name] = entry
+
     def remove(self, name: str) -> LoRARequest | None:
         self._adapters.pop(name, None)
         return self.requests.pop(name, None)
@@ -137,18 +148,18 @@ class RuntimeAdapters:
         except LoraProblem as problem:
             raise LoraRefusal(grpc.StatusCode.INVALID_ARGUMENT, str(problem), Reason.LORA_LOAD_FAILED,
                               "lora_path") from None
-        previous = self.registry.remove(name)
+        previous = self.registry.entry(name)
         request = self.registry.add(name, path, at_runtime=True)
         try:
             await self.engine.add_lora(request)
         except EngineDeadError:
             raise
         except Exception as error:
-            self.registry.remove(name)
+            self.registry.restore(name, previous)  # an adapter replaced in place keeps serving as it was
             raise LoraRefusal(grpc.StatusCode.INVALID_ARGUMENT, f"the LoRA adapter `{name}` ({path}) failed to "
                               f"load: {error}", Reason.LORA_LOAD_FAILED, "lora_path") from None
         if previous is not None and name in self.loaded:
-            await self.engine.remove_lora(previous.lora_int_id)
+            await self.engine.remove_lora(previous[0].lora_int_id)
         self.loaded.add(name)
         return True
 
