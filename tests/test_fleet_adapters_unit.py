@@ -248,3 +248,34 @@ def test_the_redis_book_is_one_for_every_gateway(redis_server: RedisServer) -> N
         await first.close()
         await second.close()
     asyncio.run(run())
+
+
+def test_the_loop_moves_a_worker_whose_path_differs_from_the_books_in_place() -> None:
+    book = MemoryAdapterBook()
+    asyncio.run(book.put(Adapter("sql", "/adapters/new", BASE)))
+    behind = FakeWorker("a:1", adapters={"sql": ("/adapters/old", True)})
+    fleet, _ = _fleet(behind, book=book)
+    seen: list[tuple[str, bool]] = []
+    original = behind.LoadLoraAdapter
+
+    async def load(request: engine_pb2.LoadLoraAdapterRequest, **kwargs: Any) -> Any:
+        seen.append((request.lora_path, request.load_inplace))
+        if request.load_inplace:
+            behind.adapters[request.lora_name] = (request.lora_path, True)
+            return engine_pb2.LoadLoraAdapterResponse(loaded=True)
+        return await original(request, **kwargs)
+
+    behind.LoadLoraAdapter = load  # type: ignore[method-assign]
+    asyncio.run(fleet.reconcile())
+    assert seen == [("/adapters/new", True)] and behind.adapters["sql"] == ("/adapters/new", True)
+
+
+@pytest.mark.parametrize(("allowed", "processes", "registry", "status"), [
+    (False, 1, None, 404), (True, 2, None, 400), (True, 2, "redis://r:6379/0", None), (True, 1, None, None)])
+def test_when_a_gateway_may_change_the_fleets_adapters(allowed: bool, processes: int, registry: str | None,
+                                                        status: int | None) -> None:
+    from taco_llm.gateway.app import GatewaySettings, runtime_lora_refusal
+
+    refusal = runtime_lora_refusal(GatewaySettings(runtime_lora_updating=allowed, api_server_count=processes,
+                                                   registry_url=registry))
+    assert (refusal.status if refusal is not None else None) == status
