@@ -19,6 +19,10 @@ from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 # One comment per import: [area] what the project uses it for, and why nothing public serves.
+# [lora] vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING as vLLM parses it: the condition of its server's runtime
+# LoRA routes, which the worker's LoadLoraAdapter keeps. vLLM reads its environment in this module only.
+import vllm.envs as vllm_envs
+
 # [prefix view] vLLM's KV cache events as its ZMQ publisher sends them (--kv-events-config): the batch to
 # decode and the three events (engine_worker/frontend/prefix_publisher.py). vLLM documents the wire format
 # by an example subscriber only.
@@ -169,6 +173,10 @@ def tool_parser_names() -> list[str]:
 # the values vllm.renderers.params gives it there (text prompts, token prompts): a convention, not API.
 CONTEXT_OVERFLOW_PARAMETERS = ("input_text", "input_tokens")
 CONTEXT_OVERFLOW_MODULE = "vllm.renderers.params"
+
+
+def runtime_lora_updating_allowed() -> bool:
+    return bool(vllm_envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING)
 
 
 def is_context_overflow(error: Exception) -> bool:
@@ -370,6 +378,7 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "vllm.v1.metrics.cache_hit_source:CacheHitSource": ("HOST",),
     # current_platform is public; these are the platform hooks the worker and tests/test_sampling_fix.py call.
     "vllm.platforms.interface:Platform": ("is_cpu", "device_name", "register_triton_kernel_overrides"),
+    "vllm.envs:": ("VLLM_ALLOW_RUNTIME_LORA_UPDATING",),
 }
 
 # vLLM modules anything outside this door may import: its documented API.
@@ -456,6 +465,7 @@ __all__ = [
     "runner_max_tokens",
     "runner_request_extra_args",
     "runner_request_ids",
+    "runtime_lora_updating_allowed",
     "structured_output_backend",
     "tool_parser_names",
     "wrap_runner_sample",

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import grpc
-import vllm.envs as vllm_envs
 from vllm.lora.request import LoRARequest
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
@@ -15,7 +14,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from taco_llm.protos import engine_pb2
 from taco_llm.protos.rich_status import Reason
 
-from ..vllm_internals import LoRAModulePath
+from ..vllm_internals import LoRAModulePath, runtime_lora_updating_allowed
 
 
 class LoraProblem(ValueError):
@@ -123,7 +122,7 @@ class RuntimeAdapters:
         self.max_lora_rank = None if lora_config is None else lora_config.max_lora_rank
         self.why_off = ("this worker runs without --enable-lora" if lora_config is None else
                         "this worker runs without VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 in its environment"
-                        if not vllm_envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING else None)
+                        if not runtime_lora_updating_allowed() else None)
 
     async def load(self, name: str, path: str, *, inplace: bool) -> bool:
         """Loads `name` from `path`; False where it was loaded from that path already."""
