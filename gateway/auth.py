@@ -108,11 +108,17 @@ class ApiKeyMiddleware:
             Admission.done(token)
 
 
+def tenant_of(request: Request) -> Tenant | None:
+    """The request's tenant, as the middleware found it; None where the app wants no key."""
+    tenant = request.scope.get("state", {}).get(TENANT_STATE)
+    return tenant if isinstance(tenant, Tenant) else None
+
+
 def require_operator(request: Request, action: str) -> None:
     """Changes to the whole fleet are the operator's: where keys name tenants, only a key of the default
     tenant (a plain --api-key, or VLLM_API_KEY) may make them; a named tenant's key gets 403."""
-    tenant = request.scope.get("state", {}).get(TENANT_STATE)
-    if isinstance(tenant, Tenant) and tenant.name:
+    tenant = tenant_of(request)
+    if tenant is not None and tenant.name:
         raise APIError(403, f"{action} changes the whole fleet: only the operator's key (a plain --api-key, "
                             f"of no tenant) may do it, not {tenant.label}'s", code="permission_denied")
 
@@ -120,7 +126,7 @@ def require_operator(request: Request, action: str) -> None:
 def isolated_cache_salt(request: Request, client_salt: str | None) -> str | None:
     """The cache_salt a generation request is sent with: under --tenant-isolation the tenant's own
     (tenants.cache_salt), else the client's."""
-    tenant = request.scope.get("state", {}).get(TENANT_STATE)
-    if not request.scope.get("state", {}).get(ISOLATION_STATE) or not isinstance(tenant, Tenant):
+    tenant = tenant_of(request)
+    if not request.scope.get("state", {}).get(ISOLATION_STATE) or tenant is None:
         return client_salt
     return cache_salt(tenant, client_salt)

@@ -35,6 +35,7 @@ from taco_llm.protos import engine_pb2
 
 from .engine_pool import EngineClient, EnginePool
 from .errors import APIError, bad_request, from_grpc
+from .failover import CLIENT_FAULT_CODES
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -51,9 +52,6 @@ RETIRED_SECONDS = 600.0
 # A load reads the adapter's weights from disk into the engine: seconds for a large one.
 LOAD_DEADLINE_SECONDS = 120.0
 CALL_DEADLINE_SECONDS = 10.0
-# The worker refused: the request is at fault (or the worker cannot take runtime adapters), not the worker.
-_REFUSALS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
-                       grpc.StatusCode.ALREADY_EXISTS})
 
 
 @dataclass(frozen=True)
@@ -172,7 +170,10 @@ class FleetAdapters:
         outcomes = await asyncio.gather(*(
             client.stub.LoadLoraAdapter(request, timeout=LOAD_DEADLINE_SECONDS, metadata=client.metadata)
             for client in targets), return_exceptions=True)
-        refusal = next((o for o in outcomes if isinstance(o, grpc.aio.AioRpcError) and o.code() in _REFUSALS), None)
+        # A refusal (what the request asked is wrong, on any worker) undoes the load; a worker that is
+        # unreachable does not, while another took it.
+        refusal = next((o for o in outcomes
+                        if isinstance(o, grpc.aio.AioRpcError) and o.code() in CLIENT_FAULT_CODES), None)
         if refusal is not None or all(isinstance(o, BaseException) for o in outcomes):
             # Undone everywhere it took, and the book put back as it was.
             loaded_here = [c for c, o in zip(targets, outcomes, strict=True)

@@ -35,7 +35,7 @@ from pydantic import ValidationError
 from taco_llm.protos import engine_pb2
 
 from . import sse
-from .auth import TENANT_STATE
+from .auth import tenant_of
 from .errors import APIError, bad_request
 from .failover import EngineStream
 from .from_engine import TokenText, chat_logprobs, collect, finish_reason
@@ -45,7 +45,6 @@ from .response_store import ResponseStore, StoredResponse
 from .responses_protocol import ResponsesRequest
 from .serving import unless_disconnected
 from .serving_chat import ServingChat
-from .tenants import Tenant
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +65,8 @@ _PASSED = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_p
 def store_scope(request: Request) -> str:
     """Whose responses a request may see: its tenant's (tenants.py); "" for the default tenant, and for
     a gateway that wants no key."""
-    tenant = request.scope.get("state", {}).get(TENANT_STATE)
-    return tenant.name if isinstance(tenant, Tenant) else ""
+    tenant = tenant_of(request)
+    return tenant.name if tenant is not None else ""
 
 
 # ---- a request as a chat completion
